@@ -1,0 +1,3 @@
+"""polytrain: train large language models on any accelerator PyTorch drives."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,353 @@
+"""One typed config tree: dataclass defaults < TOML file < `--section.key value` overrides.
+
+Every field carries a one-line docstring (read back for `polytrain train --help`).
+Mistakes fail at start-up with one line that names the key and the fix:
+
+    >>> load_config(None, ["--train.lrr", "1e-3"])
+    ConfigError: unknown key 'train.lrr'; did you mean 'train.lr'?
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import json
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from polytrain.errors import ConfigError
+
+__all__ = ["Config", "ConfigError", "load_config", "to_toml", "help_text"]
+
+
+def _choices(*values: str) -> Any:
+    return field(default=values[0], metadata={"choices": values})
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"
+    """Run name; the run directory is runs/<name> unless out_dir is set."""
+    out_dir: str = ""
+    """Run directory (config.toml, metrics.jsonl, loss.png, checkpoints/); empty = runs/<name>."""
+    seed: int = 1234
+    """Seed for weights, data order and sampling; the same seed gives the same run."""
+    steps: int = 400
+    """Number of optimizer steps to train."""
+    log_every: int = 10
+    """Steps between metrics.jsonl rows and progress-bar updates."""
+    eval_every: int = 100
+    """Steps between validation-loss measurements (0 = only at the end)."""
+    eval_batches: int = 4
+    """Micro-batches per data-parallel rank in one validation pass."""
+    sample_tokens: int = 64
+    """Tokens generated from a prompt at the end of training (0 = no sample)."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to <run dir>/tensorboard."""
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "llama"
+    """Model architecture; see polytrain.models.ARCHITECTURES."""
+    size: str = "tiny"
+    """Size preset (tiny ~3M, small ~25M, 125m, 350m, 1b, 7b); fields set below win over it."""
+    dim: int = 0
+    """Hidden size (0 = from the size preset)."""
+    n_layers: int = 0
+    """Number of transformer blocks (0 = from the size preset)."""
+    n_heads: int = 0
+    """Attention query heads (0 = from the size preset)."""
+    n_kv_heads: int = 0
+    """Key/value heads for grouped-query attention; divides n_heads (0 = from the size preset)."""
+    ffn_dim: int = 0
+    """SwiGLU hidden size (0 = from the size preset)."""
+    vocab_size: int = 0
+    """Vocabulary size; the BPE tokenizer is trained to this size (0 = from the size preset)."""
+    max_seq_len: int = 0
+    """Longest sequence RoPE tables are built for (0 = data.seq_len)."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """Share the token embedding with the output projection."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"
+    """'stdlib' (the .py sources of the running Python) or a path: .txt, .jsonl (field text), prepared .bin."""
+    tokenizer: str = "bpe"
+    """'bpe' (byte-level BPE trained on the corpus and cached) or a path to a tokenizer.json."""
+    seq_len: int = 256
+    """Tokens per training sequence."""
+    val_fraction: float = 0.02
+    """Share of documents held out for validation (chosen by a hash of the document name)."""
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 8
+    """Sequences per forward/backward on one rank."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step over all ranks; a multiple of micro_batch_size x dp."""
+    lr: float = 3e-3
+    """Peak learning rate, reached after warmup_steps."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 30
+    """Linear warmup steps from 0 to lr."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices (not on norms, biases or embeddings' gains)."""
+    beta1: float = 0.9
+    """Adam first-moment decay."""
+    beta2: float = 0.95
+    """Adam second-moment decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (over all ranks and shards) to this; 0 = no clipping."""
+    optimizer: str = _choices("adamw", "sgd")
+    """Optimizer: adamw or sgd (momentum 0.9)."""
+    precision: str = _choices("fp32", "bf16")
+    """Compute precision; bf16 autocasts matmuls while weights and optimizer stay fp32."""
+    activation_checkpoint: str = _choices("none", "full")
+    """Recompute each block's activations in the backward pass to save memory."""
+
+
+@dataclass
+class ParallelConfig:
+    nproc: int = 1
+    """Local worker processes to start (through torch's elastic launcher); 1 = this process."""
+    dp: int = -1
+    """Data-parallel degree; -1 = whatever the world size leaves."""
+    zero: int = field(default=0, metadata={"choices": (0, 3)})
+    """0 = replicate the model on every data-parallel rank; 3 = shard parameters, gradients and optimizer state (FSDP2)."""
+    zero_shard: int = -1
+    """Ranks one ZeRO-3 shard group spans; -1 = all of dp; a smaller divisor replicates shards across groups (HSDP)."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Steps between checkpoints (0 = only at the end of training)."""
+    keep: int = 2
+    """Newest complete checkpoints to keep (0 = keep all)."""
+    resume: str = "auto"
+    """'auto' = newest complete checkpoint of this run, 'none' = start fresh, or a checkpoint path."""
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.out_dir or f"runs/{self.run.name}")
+
+
+SECTIONS: dict[str, type] = {f.name: type(getattr(Config(), f.name)) for f in fields(Config)}
+
+
+def field_docs(section_cls: type) -> dict[str, str]:
+    """The docstring written under each field of a config dataclass."""
+    tree = ast.parse(inspect.getsource(section_cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for stmt, nxt in zip(body, body[1:]):
+        if isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr):
+            if isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                docs[stmt.target.id] = nxt.value.value  # type: ignore[attr-defined]
+    return docs
+
+
+def all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in fields(cls)]
+
+
+def _unknown(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else "; see `polytrain train --help` for all keys"
+    return ConfigError(f"unknown key '{key}'{hint}")
+
+
+def _coerce(key: str, value: Any, want: type, from_text: bool) -> Any:
+    """Turn a TOML value or command-line string into the field's type, or fail naming the key."""
+    if from_text:
+        if want is bool:
+            if value in ("true", "false"):
+                return value == "true"
+        elif want is int:
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        elif want is float:
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        else:
+            return value
+    else:
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if type(value) is want:
+            return value
+    example = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[want]
+    raise ConfigError(f"{key} = {value!r} is not {example}")
+
+
+def _set(cfg: Config, key: str, value: Any, from_text: bool) -> None:
+    section, _, name = key.partition(".")
+    if section not in SECTIONS or not name:
+        raise _unknown(key)
+    section_obj = getattr(cfg, section)
+    by_name = {f.name: f for f in fields(section_obj)}
+    if name not in by_name:
+        raise _unknown(key)
+    f = by_name[name]
+    want = type(f.default) if f.default is not dataclasses.MISSING else str
+    value = _coerce(key, value, want, from_text)
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{key} = {value!r} is not one of {', '.join(map(repr, choices))}")
+    setattr(section_obj, name, value)
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """['--train.lr', '1e-3', '--run.name=x'] -> [('train.lr', '1e-3'), ('run.name', 'x')]."""
+    pairs, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument '{arg}'; overrides look like --section.key VALUE")
+        key = arg[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"--{key} needs a value")
+            value = args[i + 1]
+            i += 2
+        pairs.append((key.replace("-", "_"), value))
+    return pairs
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the TOML file at `path`, then command-line `overrides`; then validated."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise _unknown(section)
+            for name, value in values.items():
+                _set(cfg, f"{section}.{name}", value, from_text=False)
+    for key, value in parse_overrides(overrides or []):
+        _set(cfg, key, value, from_text=True)
+    resolve_model(cfg)
+    validate(cfg)
+    return cfg
+
+
+def resolve_model(cfg: Config) -> None:
+    """Fill model fields left at 0 from the architecture's size preset."""
+    from polytrain.models import ARCHITECTURES
+
+    m = cfg.model
+    if m.arch not in ARCHITECTURES:
+        close = difflib.get_close_matches(m.arch, ARCHITECTURES, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(
+            f"model.arch = '{m.arch}' is not a known architecture "
+            f"(known: {', '.join(ARCHITECTURES)}){hint}"
+        )
+    presets = ARCHITECTURES[m.arch].presets
+    if m.size not in presets:
+        raise ConfigError(f"model.size = '{m.size}' is not a preset of {m.arch}; choose one of {', '.join(presets)}")
+    for name, value in presets[m.size].items():
+        if getattr(m, name) == 0:
+            setattr(m, name, value)
+    if m.max_seq_len == 0:
+        m.max_seq_len = cfg.data.seq_len
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no world size; ParallelDims checks the rest when the world is known."""
+    m, t, r = cfg.model, cfg.train, cfg.run
+    positive = {
+        "run.steps": r.steps, "run.log_every": r.log_every, "data.seq_len": cfg.data.seq_len,
+        "train.micro_batch_size": t.micro_batch_size, "train.global_batch_size": t.global_batch_size,
+        "parallel.nproc": cfg.parallel.nproc, "model.dim": m.dim, "model.n_layers": m.n_layers,
+        "model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads, "model.vocab_size": m.vocab_size,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} = {value} must be positive")
+    if m.dim % m.n_heads:
+        raise ConfigError(f"model.dim = {m.dim} must be a multiple of model.n_heads = {m.n_heads}")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_kv_heads = {m.n_kv_heads} must divide model.n_heads = {m.n_heads}")
+    if (m.dim // m.n_heads) % 2:
+        raise ConfigError(f"head dim model.dim / model.n_heads = {m.dim // m.n_heads} must be even for RoPE")
+    if cfg.data.seq_len > m.max_seq_len:
+        raise ConfigError(f"data.seq_len = {cfg.data.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
+    if t.global_batch_size % t.micro_batch_size:
+        raise ConfigError(
+            f"train.global_batch_size = {t.global_batch_size} must be a multiple of "
+            f"train.micro_batch_size = {t.micro_batch_size}; try {_nearest_multiple(t.global_batch_size, t.micro_batch_size)}"
+        )
+    if not 0 < cfg.data.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction = {cfg.data.val_fraction} must be in (0, 1): validation needs data")
+    if t.min_lr > t.lr:
+        raise ConfigError(f"train.min_lr = {t.min_lr} is above train.lr = {t.lr}")
+    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 0:
+        raise ConfigError("checkpoint.every and checkpoint.keep must be >= 0")
+
+
+def _nearest_multiple(value: int, unit: int) -> int:
+    return max(unit, round(value / unit) * unit)
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML that `load_config` reads back to an equal Config."""
+    lines = []
+    for section, values in to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            text = json.dumps(value) if not isinstance(value, bool) else str(value).lower()
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def help_text() -> str:
+    """All keys with their defaults and docstrings, for `polytrain train --help`."""
+    out = []
+    for section, cls in SECTIONS.items():
+        out.append(f"[{section}]")
+        docs = field_docs(cls)
+        for f in fields(cls):
+            default = getattr(cls(), f.name)
+            out.append(f"  --{section}.{f.name} {default!r:<10} {docs.get(f.name, '')}")
+    return "\n".join(out)
