@@ -1,0 +1,123 @@
+"""The Accelerator interface: everything polytrain asks of a device, in one place.
+
+Training code talks only to an `Accelerator`, so supporting a new device means adding one
+subclass here instead of touching models, data or the trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from abc import ABC, abstractmethod
+from typing import ContextManager
+
+import torch
+
+
+class Timer:
+    """Wall-clock timer for a `with` block; `elapsed_s` is valid once the block has exited.
+
+    Correct only where work finishes before the block exits (the CPU); asynchronous devices
+    return their own timer from `Accelerator.timer()`.
+    """
+
+    def __init__(self) -> None:
+        self._start: float | None = None
+        self._end: float | None = None
+
+    def __enter__(self) -> Timer:
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._end = time.perf_counter()
+
+    @property
+    def elapsed_s(self) -> float:
+        """Seconds between entering and leaving the `with` block."""
+        if self._start is None or self._end is None:
+            raise RuntimeError("read elapsed_s after the `with timer:` block has exited")
+        return self._end - self._start
+
+
+class Accelerator(ABC):
+    """One kind of compute device (all devices of that kind on this host)."""
+
+    name: str
+    """Short name used in POLYTRAIN_ACCELERATOR and logs, e.g. 'cpu', 'cuda'."""
+    device_type: str
+    """torch device type string, e.g. 'cpu', 'cuda'."""
+    dist_backend: str
+    """torch.distributed backend for collectives between these devices."""
+
+    @classmethod
+    @abstractmethod
+    def is_available(cls) -> bool:
+        """Whether this process can use the device (hardware, driver and torch build)."""
+
+    @abstractmethod
+    def device(self, local_rank: int | None = None) -> torch.device:
+        """The torch.device for `local_rank` (None = the current device)."""
+
+    @abstractmethod
+    def set_device(self, local_rank: int) -> None:
+        """Make `local_rank`'s device the current one for this process."""
+
+    @abstractmethod
+    def device_count(self) -> int:
+        """Devices of this kind visible to the process."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block until all queued work on the current device has finished."""
+
+    @abstractmethod
+    def manual_seed(self, seed: int) -> None:
+        """Seed the current device's random generator."""
+
+    @abstractmethod
+    def get_rng_state(self) -> torch.Tensor | None:
+        """The device generator's state for checkpoints; None if the device has none of its own."""
+
+    @abstractmethod
+    def set_rng_state(self, state: torch.Tensor | None) -> None:
+        """Restore a state returned by `get_rng_state`."""
+
+    @abstractmethod
+    def memory_stats(self) -> dict[str, float]:
+        """Memory in GiB: {'allocated_gb', 'peak_gb', 'reserved_gb'}."""
+
+    @abstractmethod
+    def reset_peak_memory(self) -> None:
+        """Start a new peak for `memory_stats()['peak_gb']` (best effort where unsupported)."""
+
+    @abstractmethod
+    def autocast_dtypes(self) -> tuple[torch.dtype, ...]:
+        """Reduced-precision dtypes `autocast` supports on this device."""
+
+    @abstractmethod
+    def peak_flops(self, dtype: torch.dtype) -> float | None:
+        """Dense peak FLOP/s of one device for matmuls in `dtype`; None if unknown."""
+
+    @abstractmethod
+    def device_name(self) -> str:
+        """Product name of the current device, e.g. 'NVIDIA H200' or the CPU model."""
+
+    def timer(self) -> Timer:
+        """A `with` timer whose `elapsed_s` counts device work queued inside the block."""
+        return Timer()
+
+    def autocast(self, dtype: torch.dtype) -> ContextManager:
+        """Mixed-precision context for this device; float32 means no autocast."""
+        if dtype == torch.float32:
+            return contextlib.nullcontext()
+        supported = self.autocast_dtypes()
+        if dtype not in supported:
+            names = ", ".join(str(d) for d in supported) or "none"
+            raise ValueError(f"{self.name} cannot autocast to {dtype}; supported: {names}")
+        return torch.autocast(device_type=self.device_type, dtype=dtype)
+
+    def describe(self) -> str:
+        """One line for logs: device, count and software versions."""
+        count, product = self.device_count(), self.device_name()
+        return f"{self.name}: {count} x {product}, torch {torch.__version__}"

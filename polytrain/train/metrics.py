@@ -1,0 +1,159 @@
+"""Training metrics on disk: metrics.jsonl (one JSON object per line), optional TensorBoard
+events, and a loss.png plot redrawn from the jsonl.
+
+The jsonl file is the record of a run: it is flushed line by line so a crash loses nothing
+already logged, and truncated to the checkpoint's step on resume so it never holds rows
+from steps that are about to be re-run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+# The bar lives in progress.py; re-exported because the trainer imports it from here.
+
+__all__ = ["MetricsLogger", "plot_loss", "read_metrics"]
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+
+
+def _jsonable(value: Any) -> Any:
+    """NaN/inf become None (JSON has no such numbers); tensors and numpy scalars become Python."""
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """All rows of run_dir/metrics.jsonl; a line cut short by a crash is skipped."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+class MetricsLogger:
+    """Appends metric rows to run_dir/metrics.jsonl (and TensorBoard); a no-op when disabled.
+
+    resume_step=None starts a fresh file; resume_step=k keeps only rows with step <= k.
+    Only rank 0 should pass enabled=True.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        enabled: bool = True,
+        tensorboard: bool = False,
+        resume_step: int | None = None,
+    ) -> None:
+        self.enabled = enabled
+        self._file = None
+        self._writer = None
+        if not enabled:
+            return
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / METRICS_FILE
+        kept = [] if resume_step is None else [
+            row for row in read_metrics(run_dir)
+            if isinstance(row.get("step"), (int, float)) and row["step"] <= resume_step
+        ]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        os.replace(tmp, self.path)  # a crash mid-rewrite leaves the old file whole
+        self._file = open(self.path, "a", encoding="utf-8")
+        if tensorboard:
+            self._writer = _summary_writer(run_dir / "tensorboard", resume_step)
+
+    def log(self, row: dict[str, Any]) -> None:
+        """Append one row (must have 'step'); NaN/inf are written as null."""
+        if self._file is None:
+            return
+        clean = {key: _jsonable(value) for key, value in row.items()}
+        self._file.write(json.dumps(clean, allow_nan=False) + "\n")
+        self._file.flush()
+        if self._writer is not None:
+            step = clean["step"]
+            for key, value in clean.items():
+                if key not in ("step", "time") and isinstance(value, (int, float)):
+                    self._writer.add_scalar(key, value, global_step=step)
+            self._writer.flush()
+
+    def close(self) -> None:
+        """Close the jsonl file and the TensorBoard writer; further log calls do nothing."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def _summary_writer(log_dir: Path, resume_step: int | None) -> Any:
+    """A TensorBoard SummaryWriter, imported only when asked for (it is slow and optional)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ImportError(
+            "run.tensorboard = true needs the tensorboard package: pip install tensorboard"
+        ) from e
+    # purge_step hides events a crashed run wrote after the checkpoint we resume from.
+    purge = None if resume_step is None else resume_step + 1
+    return SummaryWriter(log_dir=str(log_dir), purge_step=purge)
+
+
+def plot_loss(run_dir: Path) -> Path:
+    """Draw train loss (line) and validation loss (markers) from metrics.jsonl to loss.png.
+
+    The y axis turns logarithmic when the losses span more than 10x. The file is replaced
+    atomically, so a viewer never reads a half-written PNG.
+    """
+    # Figure without pyplot: no global state, no GUI backend, safe beside other plotting code.
+    from matplotlib.figure import Figure
+
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir)
+    train = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None and "step" in r]
+    val = [
+        (r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None and "step" in r
+    ]
+
+    fig = Figure(figsize=(7, 4), dpi=100)
+    ax = fig.add_subplot()
+    if train:
+        ax.plot(*zip(*train), label="train", linewidth=1.2)
+    if val:
+        ax.plot(*zip(*val), "o", label="validation", markersize=5)
+    losses = [loss for _, loss in train + val]
+    if losses and min(losses) > 0 and max(losses) / min(losses) > 10:
+        ax.set_yscale("log")
+    if not losses:
+        ax.text(0.5, 0.5, "no losses logged yet", ha="center", va="center", transform=ax.transAxes)
+    else:
+        ax.legend()
+    ax.set_title(f"{run_dir.name}: loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+
+    out = run_dir / PLOT_FILE
+    tmp = run_dir / f".{PLOT_FILE}.tmp"
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, out)
+    return out
