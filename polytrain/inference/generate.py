@@ -1,0 +1,114 @@
+"""Autoregressive sampling with a KV cache.
+
+Prompts of different lengths run as one left-padded batch: row b gets
+`pad[b] = longest - len(prompt_b)` padding slots in front. The KVCache carries
+`pad`, from which the model derives per-row RoPE positions (slot - pad) and a
+mask that hides padding slots, so each row computes what its prompt alone
+would. After one prefill pass over the padded prompts, each step feeds one
+token per row.
+
+The model is only called as `model(tokens, cache=..., start_pos=...)` and read
+for `model.cfg` and its parameters' device, so an FSDP-wrapped model works too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from polytrain.models.common.kv_cache import KVCache
+
+
+def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
+             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+             stop_tokens: set[int] | None = None,
+             generator: torch.Generator | None = None) -> list[list[int]]:
+    """Continue each prompt by up to `max_new_tokens` tokens; returns only the new tokens.
+
+    temperature 0 picks the most likely token (greedy); otherwise logits are divided
+    by temperature, filtered by top_k and/or top_p (nucleus), and sampled with
+    `generator`. A row ends after it emits a token in `stop_tokens` (that token is
+    included); generation ends when every row has ended or after max_new_tokens.
+    """
+    _check_arguments(prompts, max_new_tokens, temperature, top_k, top_p)
+    longest = max(len(p) for p in prompts)
+    max_seq_len = model.cfg.max_seq_len
+    if longest + max_new_tokens > max_seq_len:
+        raise ValueError(f"a prompt of {longest} tokens plus max_new_tokens = {max_new_tokens} "
+                         f"exceeds the model's max_seq_len = {max_seq_len}; shorten the prompt "
+                         "or ask for fewer tokens")
+    if max_new_tokens == 0:
+        return [[] for _ in prompts]
+
+    device = next(model.parameters()).device
+    batch = len(prompts)
+    pads = [longest - len(p) for p in prompts]
+    # (B, L) left-padded with token 0; the cache's mask keeps padding out of attention.
+    tokens = torch.tensor([[0] * n + p for n, p in zip(pads, prompts)], device=device)
+    pad = torch.tensor(pads, device=device) if any(pads) else None  # (B,)
+    cache = KVCache(batch, longest + max_new_tokens, pad=pad)
+    stops = torch.tensor(sorted(stop_tokens or ()), dtype=torch.long, device=device)
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(tokens, cache=cache, start_pos=0)[:, -1]  # (B, vocab)
+            new = []
+            done = torch.zeros(batch, dtype=torch.bool, device=device)
+            for step in range(max_new_tokens):
+                next_tok = sample(logits, temperature, top_k, top_p, generator)  # (B,)
+                new.append(next_tok)
+                done |= torch.isin(next_tok, stops)
+                if step == max_new_tokens - 1 or bool(done.all()):
+                    break
+                logits = model(next_tok[:, None], cache=cache, start_pos=longest + step)[:, -1]
+    finally:
+        model.train(was_training)
+    return [_until_stop(row, stop_tokens or set()) for row in torch.stack(new, 1).tolist()]
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int | None = None,
+           top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token id per row of logits (B, vocab) -> (B,); temperature 0 = argmax."""
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        sorted_logits, order = logits.sort(-1, descending=True)  # (B, V)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the tokens ranked above it already hold top_p of the
+        # mass; the most likely token always stays.
+        drop_sorted = probs.cumsum(-1) - probs >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(-1)
+    if generator is not None:  # sample where the generator lives; results then match across devices
+        return torch.multinomial(probs.to(generator.device), 1, generator=generator)[:, 0].to(logits.device)
+    return torch.multinomial(probs, 1)[:, 0]
+
+
+def _until_stop(row: list[int], stop_tokens: set[int]) -> list[int]:
+    """The row up to and including its first stop token."""
+    for i, tok in enumerate(row):
+        if tok in stop_tokens:
+            return row[:i + 1]
+    return row
+
+
+def _check_arguments(prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                     top_k: int | None, top_p: float | None) -> None:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt, and every prompt needs a token")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens = {max_new_tokens} must be >= 0")
+    if temperature < 0:
+        raise ValueError(f"temperature = {temperature} must be >= 0 (0 = greedy)")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k = {top_k} must be >= 1")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p = {top_p} must be in (0, 1]")

@@ -1,0 +1,117 @@
+"""KV-cached generation: greedy, batching, stopping, sampling filters, limits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from polytrain.config import ModelConfig
+from polytrain.inference.generate import generate, sample
+from polytrain.models.common.init import init_plain
+from polytrain.models.llama.model import Llama
+
+CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97,
+                  max_seq_len=48)
+PROMPTS = [[5, 17, 3, 88, 42, 9, 61], [23, 4], [70, 70, 12, 1]]
+
+
+@pytest.fixture(scope="module")
+def model() -> Llama:
+    m = Llama(CFG)
+    init_plain(m, 0)
+    return m
+
+
+def greedy_without_cache(model: Llama, prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def test_greedy_matches_full_forward_loop(model):
+    out = generate(model, [PROMPTS[0]], 12, temperature=0)
+    assert out == [greedy_without_cache(model, PROMPTS[0], 12)]
+
+
+def test_batched_prompts_of_different_lengths_match_each_alone(model):
+    batched = generate(model, PROMPTS, 10, temperature=0)
+    alone = [generate(model, [p], 10, temperature=0)[0] for p in PROMPTS]
+    assert batched == alone == [greedy_without_cache(model, p, 10) for p in PROMPTS]
+
+
+def test_stop_tokens_end_rows_and_are_kept(model):
+    free = generate(model, PROMPTS[:2], 10, temperature=0)
+    stop = free[0][3]
+    assert stop not in free[0][:3]
+    out = generate(model, PROMPTS[:2], 10, temperature=0, stop_tokens={stop})
+    assert out[0] == free[0][:4]
+    cut = free[1].index(stop) + 1 if stop in free[1] else 10
+    assert out[1] == free[1][:cut]
+
+
+def test_generation_stops_once_every_row_stopped(model):
+    first = generate(model, [PROMPTS[0]], 1, temperature=0)[0][0]
+    calls = []
+    handle = model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        out = generate(model, [PROMPTS[0]], 20, temperature=0, stop_tokens={first})
+    finally:
+        handle.remove()
+    assert out == [[first]] and len(calls) == 1  # the prefill only
+
+
+def test_top_k_1_and_tiny_top_p_equal_greedy(model):
+    greedy = generate(model, PROMPTS, 8, temperature=0)
+    g = torch.Generator().manual_seed(0)
+    assert generate(model, PROMPTS, 8, temperature=1.0, top_k=1, generator=g) == greedy
+    assert generate(model, PROMPTS, 8, temperature=1.0, top_p=1e-6, generator=g) == greedy
+
+
+def test_sampling_is_reproducible_with_a_generator(model):
+    def run(seed):
+        return generate(model, PROMPTS, 16, temperature=1.0, generator=torch.Generator().manual_seed(seed))
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+def test_sample_filters():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().expand(2000, 4)
+    # top_p 0.7: tokens 0 and 1 (0.8 of the mass) are the smallest set reaching it.
+    assert set(sample(logits, 1.0, top_p=0.7, generator=g).tolist()) == {0, 1}
+    assert set(sample(logits, 1.0, top_k=3, generator=g).tolist()) == {0, 1, 2}
+    assert set(sample(logits, 1.0, generator=g).tolist()) == {0, 1, 2, 3}
+    assert sample(logits[:1], 0.0).tolist() == [0]
+
+
+def test_prompt_plus_new_tokens_beyond_max_seq_len_rejected(model):
+    generate(model, [[1] * 40], CFG.max_seq_len - 40)  # exactly fits
+    with pytest.raises(ValueError, match="max_seq_len"):
+        generate(model, [[1] * 40, [2]], CFG.max_seq_len - 39)
+
+
+def test_restores_training_mode_and_keeps_no_graph(model):
+    grads = []
+    handle = model.register_forward_hook(lambda m, args, out: grads.append(out.requires_grad))
+    model.train()
+    try:
+        generate(model, [PROMPTS[1]], 3)
+    finally:
+        handle.remove()
+    assert model.training and grads == [False] * 3
+    model.eval()
+    generate(model, [PROMPTS[1]], 3)
+    assert not model.training
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_k=0), dict(top_p=0.0),
+                                    dict(top_p=1.5)])
+def test_bad_arguments_rejected(model, kwargs):
+    with pytest.raises(ValueError):
+        generate(model, [PROMPTS[0]], 3, **kwargs)
+
+
+def test_zero_new_tokens(model):
+    assert generate(model, PROMPTS, 0) == [[], [], []]
