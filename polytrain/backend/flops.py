@@ -137,9 +137,23 @@ def cpu_peak_flops(dtype: torch.dtype) -> float:
             cache = json.loads(path.read_text())
         except (OSError, ValueError):
             cache = {}
-        if key not in cache:
-            cache[key] = measure_matmul_flops(dtype)
+        entry = cache.get(key)
+        if not isinstance(entry, dict) or not entry.get("settled"):
+            # A measurement taken while other work loads the machine comes out low
+            # and would inflate every MFU after it: keep the best seen, and measure
+            # again next time until one was taken on a quiet machine.
+            best = max(measure_matmul_flops(dtype), entry.get("flops", 0.0) if isinstance(entry, dict) else 0.0)
+            cache[key] = entry = {"flops": best, "settled": _machine_is_quiet()}
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
             os.replace(tmp, path)  # readers never see a half-written file
-    return float(cache[key])
+    return float(entry["flops"])
+
+
+def _machine_is_quiet() -> bool:
+    """True when the 1-minute load average leaves the cores this process uses free."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return True
+    return load + torch.get_num_threads() <= (os.cpu_count() or 1) + 0.5

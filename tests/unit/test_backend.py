@@ -86,6 +86,7 @@ def test_autocast_float32_is_a_no_op_and_bf16_casts():
 
 
 def test_cpu_peak_flops_is_measured_once_and_cached(monkeypatch, tmp_path):
+    monkeypatch.setattr(flops, "_machine_is_quiet", lambda: True)
     acc = CPUAccelerator()
     start = time.perf_counter()
     fp32 = acc.peak_flops(torch.float32)
@@ -100,6 +101,17 @@ def test_cpu_peak_flops_is_measured_once_and_cached(monkeypatch, tmp_path):
     monkeypatch.setattr(flops, "measure_matmul_flops", no_second_measurement)
     assert acc.peak_flops(torch.float32) == fp32
     assert CPUAccelerator().peak_flops(torch.float32) == fp32  # a new process reads the file
+
+
+def test_busy_machine_measurement_is_retried_and_the_best_kept(monkeypatch, tmp_path):
+    monkeypatch.setattr(flops, "_machine_is_quiet", lambda: False)
+    readings = iter([1e9, 3e9, 2e9])
+    monkeypatch.setattr(flops, "measure_matmul_flops", lambda dtype, budget_s=0.5: next(readings))
+    assert flops.cpu_peak_flops(torch.float32) == 1e9
+    assert flops.cpu_peak_flops(torch.float32) == 3e9  # busy: measured again, best kept
+    monkeypatch.setattr(flops, "_machine_is_quiet", lambda: True)
+    assert flops.cpu_peak_flops(torch.float32) == 3e9  # 2e9 now, but 3e9 was seen; settled
+    assert flops.cpu_peak_flops(torch.float32) == 3e9  # no further measurement (iterator is empty)
 
 
 def test_gpu_peak_flops_table():

@@ -1,0 +1,100 @@
+"""ParallelDims: the one owner of parallel degrees, and the DeviceMesh built from them.
+
+The mesh has named axes, outermost first:
+
+    ("dp_replicate", "dp_shard")      # tp / pp / cp slot in around these later
+
+Ranks are laid out row-major over that shape, so the innermost axis holds
+consecutive ranks (inside one node); data parallelism, the outermost, spreads
+across nodes. Data-parallel ranks = dp_replicate x dp_shard: with ZeRO-3 the
+parameters are sharded over dp_shard and replicated over dp_replicate (HSDP);
+without ZeRO everything sits on dp_replicate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from polytrain.config import Config, ConfigError
+
+MESH_AXES = ("dp_replicate", "dp_shard")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Validated parallel degrees for one world size.
+
+    Build with `ParallelDims.from_config(cfg, world_size)`; every inconsistent
+    combination fails there with a ConfigError naming the key and the fix.
+    """
+
+    world_size: int
+    dp_replicate: int
+    dp_shard: int
+    zero: int
+
+    @property
+    def dp(self) -> int:
+        """Number of data-parallel ranks (each sees different data)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.dp_replicate, self.dp_shard)
+
+    @classmethod
+    def from_config(cls, cfg: Config, world_size: int) -> ParallelDims:
+        p, t = cfg.parallel, cfg.train
+        model_parallel = 1  # tp * pp * cp once those exist
+        if world_size % model_parallel:
+            raise ConfigError(f"world size {world_size} is not divisible by tp x pp x cp = {model_parallel}")
+        dp = p.dp if p.dp != -1 else world_size // model_parallel
+        if dp <= 0:
+            raise ConfigError(f"parallel.dp = {p.dp} must be positive or -1 (whatever the world size leaves)")
+        if dp * model_parallel != world_size:
+            raise ConfigError(
+                f"parallel.dp = {dp} does not fit world size {world_size} "
+                f"(dp x tp x pp x cp must equal it); set parallel.dp = {world_size // model_parallel} or -1"
+            )
+        if p.zero == 3:
+            shard = dp if p.zero_shard == -1 else p.zero_shard
+            if shard <= 0 or dp % shard:
+                raise ConfigError(
+                    f"parallel.zero_shard = {p.zero_shard} must divide parallel.dp = {dp}; "
+                    f"choose one of {', '.join(str(d) for d in _divisors(dp))} or -1"
+                )
+        else:
+            if p.zero_shard not in (-1, 1):
+                raise ConfigError("parallel.zero_shard only applies with parallel.zero = 3; remove it or set zero = 3")
+            shard = 1
+        per_step = t.micro_batch_size * dp
+        if t.global_batch_size % per_step:
+            options = sorted({max(per_step, t.global_batch_size // per_step * per_step),
+                              (t.global_batch_size // per_step + 1) * per_step})
+            raise ConfigError(
+                f"train.global_batch_size = {t.global_batch_size} is not a multiple of "
+                f"train.micro_batch_size x dp = {t.micro_batch_size} x {dp} = {per_step}; "
+                f"set it to {' or '.join(map(str, options))}, or lower train.micro_batch_size"
+            )
+        return cls(world_size=world_size, dp_replicate=dp // shard, dp_shard=shard, zero=p.zero)
+
+    def grad_accum_steps(self, cfg: Config) -> int:
+        """Micro-batches each rank runs per optimizer step to reach the global batch."""
+        return cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.dp)
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The world's DeviceMesh with named axes; needs an initialised process group."""
+        return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
+
+
+def dp_coordinates(mesh: DeviceMesh) -> tuple[int, int]:
+    """(rank, size) of this process among the data-parallel ranks: which slice of each batch it reads."""
+    rep, shard = mesh["dp_replicate"], mesh["dp_shard"]
+    rank = rep.get_local_rank() * shard.size() + shard.get_local_rank()
+    return rank, rep.size() * shard.size()
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,29 @@
+"""Optimizer construction: parameter groups with and without weight decay."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from polytrain.config import TrainConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Matrices (linear and embedding weights) decay; vectors (norm gains, biases) do not."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=0.9)
+    raise ValueError(f"unknown optimizer {cfg.optimizer!r}")

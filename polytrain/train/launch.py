@@ -1,0 +1,41 @@
+"""Start N local workers through torch's elastic launcher (what torchrun uses).
+
+`polytrain train --parallel.nproc N` re-runs itself as N workers of
+`python -m polytrain.train`, each with RANK / WORLD_SIZE / LOCAL_RANK set; under
+`torchrun` the same module is started directly, on any number of nodes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+EXIT_USER_ERROR = 2
+
+
+def launch_local_workers(nproc: int, argv: list[str]) -> int:
+    """Run `python -m polytrain.train ARGV` as `nproc` workers on this machine; returns an exit code."""
+    # Each worker would otherwise start one thread per core and they would fight
+    # over the cores; torchrun applies the same default.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+        run_id=f"polytrain-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0",
+        max_restarts=0, monitor_interval=0.1, start_method="spawn",
+    )
+    try:
+        elastic_launch(config, sys.executable)("-u", "-m", "polytrain.train", *argv)
+    except ChildFailedError as e:
+        codes = {rank: f.exitcode for rank, f in e.failures.items()}
+        if EXIT_USER_ERROR in codes.values():
+            return EXIT_USER_ERROR  # the worker already printed the one-line reason
+        rank, code = min(codes.items())
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        print(f"error: worker {rank} {how}; its output is above", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,301 @@
+"""The training loop: config -> topology -> model -> parallelize -> data -> steps -> checkpoints.
+
+One `Trainer` runs on every rank. A step reads this rank's share of the global
+batch, runs it as micro-batches with gradient accumulation, clips the gradient by
+its true global norm, and steps the optimizer; every `log_every` steps rank 0
+writes a metrics row and redraws the progress bar.
+
+    trainer = Trainer(load_config(None, ["--run.steps", "50"]))
+    summary = trainer.train()
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from polytrain.backend import get_accelerator
+from polytrain.config import Config, to_toml
+from polytrain.data import GlobalBatchSampler, TokenDataset, prepare_corpus, val_batches
+from polytrain.distributed.activation_checkpoint import apply_activation_checkpointing
+from polytrain.distributed.data_parallel import apply_data_parallel, set_gradient_sync
+from polytrain.distributed.materialize import materialize
+from polytrain.distributed.topology import ParallelDims, dp_coordinates
+from polytrain.distributed.world import barrier, init_world, mean_over_world
+from polytrain.errors import TrainingDiverged
+from polytrain.inference.generate import generate
+from polytrain.models import ARCHITECTURES
+from polytrain.optim.builder import build_optimizer
+from polytrain.optim.schedule import set_lr
+from polytrain.train.checkpoint import Checkpointer, TrainerState, check_checkpoint, latest_checkpoint
+from polytrain.train.metrics import MetricsLogger, plot_loss
+from polytrain.train.progress import ProgressBar
+
+SAMPLE_PROMPT = "def "
+PLOT_INTERVAL_S = 15.0
+# Fields that decide parameter shapes: a checkpoint only loads into a model that agrees on them.
+SHAPE_FIELDS = ("arch", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")
+
+
+class Trainer:
+    """Builds everything a run needs from a validated Config, on every rank."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.acc = get_accelerator()
+        self.world = init_world(self.acc)
+        self.dims = ParallelDims.from_config(cfg, self.world.world_size)
+        self.mesh = self.dims.build_mesh(self.acc.device_type) if self.world.world_size > 1 else None
+        self.dp_rank, self.dp_size = dp_coordinates(self.mesh) if self.mesh else (0, 1)
+        self.device = self.acc.device(self.world.local_rank)
+        self.run_dir = cfg.run_dir
+        self.resume_from = self._resume_path()
+
+        torch.manual_seed(cfg.run.seed)
+        self.acc.manual_seed(cfg.run.seed)
+        self.corpus = self._prepare_corpus()
+        self.tokenizer = self.corpus.tokenizer
+        self.model = self._build_model()
+        self.optimizer = build_optimizer(self.model, cfg.train)
+        seq_len = cfg.data.seq_len
+        self.train_data = TokenDataset(self.corpus.train_path, self.corpus.dtype, seq_len)
+        self.val_data = TokenDataset(self.corpus.val_path, self.corpus.dtype, seq_len)
+        self.sampler = GlobalBatchSampler(
+            len(self.train_data), cfg.train.global_batch_size, cfg.run.seed, self.dp_rank, self.dp_size,
+        )
+        self.accum = self.dims.grad_accum_steps(cfg)
+        # eval_batches global batches: the same sequences whatever the layout, so
+        # validation losses of different layouts compare directly.
+        self.val_indices = val_batches(
+            self.val_data, cfg.train.micro_batch_size, cfg.run.eval_batches * self.accum,
+            self.dp_rank, self.dp_size,
+        )
+        self.tokens_per_step = cfg.train.global_batch_size * seq_len
+        self.flops_per_token = self.model.flops_per_token(seq_len)
+        self.autocast_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.train.precision]
+        self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self._rng_state, self._set_rng_state)
+        self.step = 0
+        if self.resume_from is not None:
+            self.step = self._load(self.resume_from)
+        self.metrics = MetricsLogger(self.run_dir, self.world.is_main, cfg.run.tensorboard,
+                                     resume_step=self.step if self.resume_from else None)
+
+    # ----- set-up -------------------------------------------------------------------
+
+    def _resume_path(self) -> Path | None:
+        resume = self.cfg.checkpoint.resume
+        if resume == "none":
+            return None
+        if resume == "auto":
+            return latest_checkpoint(self.run_dir)
+        check_checkpoint(Path(resume))
+        return Path(resume)
+
+    def _prepare_corpus(self):
+        # Rank 0 trains the tokenizer and tokenizes once; the others then hit the cache.
+        if self.world.is_main:
+            corpus = prepare_corpus(self.cfg.data, self.cfg.model.vocab_size)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
+            corpus.tokenizer.save(self.run_dir / "tokenizer.json")
+        barrier()
+        if not self.world.is_main:
+            corpus = prepare_corpus(self.cfg.data, self.cfg.model.vocab_size)
+        return corpus
+
+    def _build_model(self) -> torch.nn.Module:
+        """Meta-device model -> activation checkpointing -> data parallel -> real weights."""
+        with torch.device("meta"):
+            model = ARCHITECTURES[self.cfg.model.arch].build(self.cfg.model)
+        apply_activation_checkpointing(model, self.cfg.train.activation_checkpoint)
+        apply_data_parallel(model, self.dims, self.mesh)
+        materialize(model, self.device, self.cfg.run.seed)
+        return model
+
+    def _shape_config(self) -> dict[str, Any]:
+        return {k: getattr(self.cfg.model, k) for k in SHAPE_FIELDS}
+
+    def _rng_state(self) -> dict[str, Any]:
+        return {"torch": torch.get_rng_state(), "device": self.acc.get_rng_state(), "python": random.getstate()}
+
+    def _set_rng_state(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["torch"])
+        if state["device"] is not None:
+            self.acc.set_rng_state(state["device"])
+        random.setstate(state["python"])
+
+    def _load(self, path: Path) -> int:
+        # Hyperparameters come from this run's config, not the checkpoint's
+        # (loading optimizer state would otherwise bring back the old lr, betas, decay).
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        state = self.checkpointer.load(path, self.model, self.optimizer, self._trainer_state())
+        for group, values in zip(self.optimizer.param_groups, hyper):
+            group.update(values)
+        self.sampler.load_state_dict(state.sampler)
+        if self.world.is_main:
+            print(f"resumed from {path} at step {state.step}", flush=True)
+        return state.step
+
+    def _trainer_state(self) -> TrainerState:
+        return TrainerState(
+            step=self.step, sampler=self.sampler.state_dict(), optimizer=self.cfg.train.optimizer,
+            model_config=self._shape_config(), world_size=self.world.world_size,
+        )
+
+    def save(self) -> Path:
+        return self.checkpointer.save(self.model, self.optimizer, self._trainer_state())
+
+    # ----- one step -----------------------------------------------------------------
+
+    def _loss(self, indices: list[int], data: TokenDataset) -> torch.Tensor:
+        inputs, targets = data.get_batch(indices)  # (B, T) each
+        inputs = inputs.to(self.device, non_blocking=True)
+        targets = targets.to(self.device, non_blocking=True)
+        with self.acc.autocast(self.autocast_dtype):
+            logits = self.model(inputs)  # (B, T, V)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over the global batch; returns the step's loss, grad norm and lr."""
+        self.model.train()
+        local = self.sampler.next_batch()  # this rank's global_batch / dp sample indices
+        mbs = self.cfg.train.micro_batch_size
+        micro_batches = [local[i:i + mbs] for i in range(0, len(local), mbs)]
+        loss_sum = torch.zeros((), device=self.device)
+        for i, indices in enumerate(micro_batches):
+            set_gradient_sync(self.model, self.dims, last_micro_batch=i == len(micro_batches) - 1)
+            # Every micro-batch has the same token count, so the mean of the
+            # micro-batch means (and, after the data-parallel gradient average,
+            # of the ranks' means) is the mean over the whole global batch.
+            loss = self._loss(indices, self.train_data) / len(micro_batches)
+            loss.backward()
+            loss_sum += loss.detach()
+        clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor when parameters are sharded
+            grad_norm = grad_norm.full_tensor()
+        loss_value = mean_over_world(loss_sum).item()
+        grad_norm_value = grad_norm.item()
+        if not (math.isfinite(loss_value) and math.isfinite(grad_norm_value)):
+            self.optimizer.zero_grad(set_to_none=True)
+            latest = latest_checkpoint(self.run_dir)
+            raise TrainingDiverged(
+                f"loss is {loss_value} (grad norm {grad_norm_value}) at step {self.step + 1}; the "
+                f"step was not applied and nothing was saved from it; newest checkpoint: "
+                f"{latest or 'none'}; lower train.lr (now {self.cfg.train.lr}) or raise "
+                f"train.warmup_steps, then rerun to resume"
+            )
+        lr = set_lr(self.optimizer, self.step, self.cfg)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"loss": loss_value, "grad_norm": grad_norm_value, "lr": lr}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over the fixed validation batches of all ranks."""
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for indices in self.val_indices:
+            total += self._loss(indices, self.val_data)
+        return mean_over_world(total / max(1, len(self.val_indices))).item()
+
+    def sample(self, prompt: str = SAMPLE_PROMPT) -> str:
+        """Text generated from `prompt` (all ranks run it: sharded models gather collectively)."""
+        ids = self.tokenizer.encode(prompt)
+        new = generate(self.model, [ids], self.cfg.run.sample_tokens, temperature=0.8, top_k=40,
+                       stop_tokens={self.tokenizer.eot_id},
+                       generator=torch.Generator(device=self.device).manual_seed(self.cfg.run.seed))
+        return prompt + self.tokenizer.decode(new[0])
+
+    # ----- the loop -----------------------------------------------------------------
+
+    def train(self) -> dict[str, Any]:
+        """Train to `run.steps`, logging, evaluating and checkpointing; returns a summary."""
+        cfg, main = self.cfg, self.world.is_main
+        self.checkpointer.clear_partial()
+        if main:
+            print(self.describe(), flush=True)
+        bar = ProgressBar(cfg.run.steps, self.step, enabled=main)
+        start = last_log_time = last_plot = time.perf_counter()
+        last_log_step = self.step
+        first_val = last_val = None
+        saved_step = self.step if self.resume_from else None
+        if self.step == 0:
+            first_val = last_val = self.evaluate()
+            self.metrics.log({"step": 0, "val_loss": last_val, "time": 0.0})
+        try:
+            while self.step < cfg.run.steps:
+                stats = self.train_step()
+                step = self.step
+                if step % cfg.run.log_every == 0 or step == cfg.run.steps:
+                    self.acc.synchronize()
+                    now = time.perf_counter()
+                    tokens_per_s = (step - last_log_step) * self.tokens_per_step / (now - last_log_time)
+                    last_log_time, last_log_step = now, step
+                    mem = self.acc.memory_stats()
+                    row = {"step": step, **stats, "tokens": step * self.tokens_per_step,
+                           "tokens_per_s": tokens_per_s, "mfu": self._mfu(tokens_per_s),
+                           "mem_gb": mem["allocated_gb"], "peak_mem_gb": mem["peak_gb"],
+                           "time": now - start}
+                    self.metrics.log(row)
+                    bar.update(step, stats["loss"], tokens_per_s, row["mfu"], mem["allocated_gb"])
+                if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step != cfg.run.steps:
+                    last_val = self.evaluate()
+                    self.metrics.log({"step": step, "val_loss": last_val, "time": time.perf_counter() - start})
+                    bar.write(f"step {step}: val loss {last_val:.4f}")
+                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                    self.save()
+                    saved_step = step
+                if main and time.perf_counter() - last_plot > PLOT_INTERVAL_S:
+                    plot_loss(self.run_dir)
+                    last_plot = time.perf_counter()
+        finally:
+            bar.close()
+        last_val = self.evaluate()
+        self.metrics.log({"step": self.step, "val_loss": last_val, "time": time.perf_counter() - start})
+        checkpoint = self.save() if saved_step != self.step else latest_checkpoint(self.run_dir)
+        sample = self.sample() if cfg.run.sample_tokens > 0 else ""
+        if main:
+            plot_loss(self.run_dir)
+        self.metrics.close()
+        return {"step": self.step, "first_val_loss": first_val, "val_loss": last_val,
+                "checkpoint": str(checkpoint) if checkpoint else None, "sample": sample,
+                "time_s": time.perf_counter() - start}
+
+    def describe(self) -> str:
+        """Two lines on what this run is: model, layout, device, batch."""
+        m, t, d = self.cfg.model, self.cfg.train, self.dims
+        layout = f"{d.world_size} process(es): dp {d.dp}" + (
+            f", ZeRO-3 over {d.dp_shard} (x{d.dp_replicate} replicas)" if d.zero == 3 else "")
+        return (f"model {m.arch} {m.size}: {self.model.num_params() / 1e6:.1f}M parameters | {layout} | "
+                f"{self.acc.describe()}\n"
+                f"global batch {t.global_batch_size} x {self.cfg.data.seq_len} tokens "
+                f"({t.micro_batch_size} per micro-batch, {self.accum} accumulation steps) | "
+                f"{self.cfg.run.steps} steps | {self.cfg.train.precision} | run dir {self.run_dir}")
+
+    def _mfu(self, tokens_per_s: float) -> float | None:
+        peak = self.acc.peak_flops(self.autocast_dtype)
+        if not peak:
+            return None
+        return tokens_per_s * self.flops_per_token / (peak * self.world.world_size)
+
+
+def summary_lines(summary: dict[str, Any]) -> list[str]:
+    lines = [f"trained to step {summary['step']} in {summary['time_s']:.0f}s"]
+    if summary["first_val_loss"] is not None:
+        lines.append(f"validation loss {summary['first_val_loss']:.3f} -> {summary['val_loss']:.3f}")
+    else:
+        lines.append(f"validation loss {summary['val_loss']:.3f}")
+    if summary["checkpoint"]:
+        lines.append(f"checkpoint: {summary['checkpoint']}")
+    if summary["sample"]:
+        lines.append("sample:\n" + summary["sample"])
+    return lines
+
