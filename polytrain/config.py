@@ -36,14 +36,14 @@ class RunConfig:
     """Run directory (config.toml, metrics.jsonl, loss.png, checkpoints/); empty = runs/<name>."""
     seed: int = 1234
     """Seed for weights, data order and sampling; the same seed gives the same run."""
-    steps: int = 400
+    steps: int = 200
     """Number of optimizer steps to train."""
     log_every: int = 10
     """Steps between metrics.jsonl rows and progress-bar updates."""
-    eval_every: int = 100
+    eval_every: int = 50
     """Steps between validation-loss measurements (0 = only at the end)."""
     eval_batches: int = 4
-    """Micro-batches per data-parallel rank in one validation pass."""
+    """Global batches of held-out sequences in one validation pass (the same for every layout)."""
     sample_tokens: int = 64
     """Tokens generated from a prompt at the end of training (0 = no sample)."""
     tensorboard: bool = False
@@ -100,7 +100,7 @@ class TrainConfig:
     """Peak learning rate, reached after warmup_steps."""
     min_lr: float = 3e-4
     """Learning rate at the end of the cosine decay."""
-    warmup_steps: int = 30
+    warmup_steps: int = 20
     """Linear warmup steps from 0 to lr."""
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices (not on norms, biases or embeddings' gains)."""

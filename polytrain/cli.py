@@ -1,0 +1,100 @@
+"""`polytrain` command line: train, generate, prepare.
+
+    polytrain train [--config FILE.toml] [--section.key VALUE ...]
+    polytrain generate RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
+    polytrain prepare SOURCE OUT.bin [--vocab-size N] [--tokenizer bpe|PATH] [--val-fraction F]
+
+Errors a user can fix print one line starting with "error:" and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from polytrain.errors import PolytrainError
+
+USAGE = __doc__.split("\n\n")[1]
+
+
+def _train(argv: list[str]) -> int:
+    from polytrain.config import help_text, load_config
+    from polytrain.train.__main__ import run_worker, split_config_arg
+
+    if "-h" in argv or "--help" in argv:
+        print("usage: polytrain train [--config FILE.toml] [--section.key VALUE ...]\n")
+        print(help_text())
+        return 0
+    path, overrides = split_config_arg(argv)
+    cfg = load_config(path, overrides)
+    if cfg.parallel.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        from polytrain.distributed.topology import ParallelDims
+        from polytrain.train.launch import launch_local_workers
+
+        ParallelDims.from_config(cfg, cfg.parallel.nproc)  # fail here, before starting workers
+        return launch_local_workers(cfg.parallel.nproc, argv)
+    return run_worker(argv)
+
+
+def _generate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="polytrain generate", description="Sample text from a trained run.")
+    parser.add_argument("run_dir", help="a run directory written by `polytrain train`")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max-new-tokens", type=int, default=100)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint", default=None, help="a step_<N> directory (default: the newest)")
+    args = parser.parse_args(argv)
+
+    from polytrain.inference.load import generate_text, load_run
+
+    run = load_run(args.run_dir, args.checkpoint)
+    print(generate_text(run, args.prompt, args.max_new_tokens, temperature=args.temperature,
+                        top_k=args.top_k, top_p=args.top_p, seed=args.seed))
+    return 0
+
+
+def _prepare(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="polytrain prepare",
+        description="Tokenize a corpus once into packed token files for data.source.")
+    parser.add_argument("source", help="'stdlib', a .txt or .jsonl file (field text), or a directory of them")
+    parser.add_argument("out", help="output path ending in .bin (also writes .val.bin, .json, .tokenizer.json)")
+    parser.add_argument("--vocab-size", type=int, default=4096, help="vocabulary of the trained BPE tokenizer")
+    parser.add_argument("--tokenizer", default="bpe", help="'bpe' to train one, or a tokenizer.json path")
+    parser.add_argument("--val-fraction", type=float, default=0.02)
+    args = parser.parse_args(argv)
+
+    from polytrain.data import prepare_to
+
+    prepared = prepare_to(args.source, args.out, tokenizer=args.tokenizer,
+                          vocab_size=args.vocab_size, val_fraction=args.val_fraction)
+    print(f"wrote {prepared.train_path} ({prepared.n_train_tokens:,} tokens) and "
+          f"{prepared.val_path} ({prepared.n_val_tokens:,} tokens)")
+    return 0
+
+
+COMMANDS = {"train": _train, "generate": _generate, "prepare": _prepare}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage:\n" + USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"error: unknown command '{command}'; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[command](rest)
+    except PolytrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
