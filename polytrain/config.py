@@ -124,10 +124,12 @@ class ParallelConfig:
     """Local worker processes to start (through torch's elastic launcher); 1 = this process."""
     dp: int = -1
     """Data-parallel degree; -1 = whatever the world size leaves."""
-    zero: int = field(default=0, metadata={"choices": (0, 3)})
-    """0 = replicate the model on every data-parallel rank; 3 = shard parameters, gradients and optimizer state (FSDP2)."""
+    zero: int = field(default=0, metadata={"choices": (0, 1, 2, 3)})
+    """0 = replicate everything; 1 = shard optimizer state; 2 = also gradients; 3 = also parameters (FSDP2)."""
     zero_shard: int = -1
     """Ranks one ZeRO-3 shard group spans; -1 = all of dp; a smaller divisor replicates shards across groups (HSDP)."""
+    reduce_bucket_mb: float = 25.0
+    """ZeRO-1/2: MiB of gradients reduce-scattered together; smaller buckets start during backward sooner."""
 
 
 @dataclass
@@ -317,6 +319,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.val_fraction = {cfg.data.val_fraction} must be in (0, 1): validation needs data")
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr = {t.min_lr} is above train.lr = {t.lr}")
+    if cfg.parallel.reduce_bucket_mb <= 0:
+        raise ConfigError(f"parallel.reduce_bucket_mb = {cfg.parallel.reduce_bucket_mb} must be positive")
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 0:
         raise ConfigError("checkpoint.every and checkpoint.keep must be >= 0")
 

@@ -1,48 +1,125 @@
-"""Data parallelism and ZeRO-3 through FSDP2 (`fully_shard`) on the data-parallel mesh.
+"""Data parallelism and ZeRO behind one small strategy interface the trainer talks to.
 
-One mechanism covers both layouts, so checkpoints and gradient clipping see
-DTensors either way:
-- zero = 0: mesh (dp_replicate=dp, dp_shard=1). Every rank holds full
-  parameters; gradients are all-reduced (DDP semantics).
-- zero = 3: mesh (dp_replicate, dp_shard). Parameters, gradients and optimizer
-  state are sharded over dp_shard: each block is all-gathered just before its
-  forward and backward and freed after; gradients are reduce-scattered.
+    dp = build_data_parallel(dims, mesh, cfg.parallel)
+    model = dp.parallelize(model)                     # on the meta device, before materialize
+    optimizer = dp.build_optimizer(model, cfg.train)  # after materialize; its param_groups carry the lr
+    for i, batch in enumerate(micro_batches):
+        dp.before_micro_batch(model, last=i == len(micro_batches) - 1)
+        loss(batch).backward()
+    grad_norm = dp.clip_grad_norm_(max_norm)          # the true global norm, before clipping
+    dp.step(); dp.zero_grad()
+    dp.state_dict() / dp.load_state_dict(sd)          # {"model", "optim"} in get_state_dict's keys
 
-Each transformer block is its own FSDP unit so only one block's full parameters
-exist at a time; the root unit holds the embedding, final norm and output head.
+Two implementations:
+- `FSDP2DataParallel`, zero = 0 or 3 (and the single process): FSDP2 `fully_shard` on
+  the (dp_replicate, dp_shard) mesh. zero = 0 puts every rank on dp_replicate:
+  full parameters everywhere, gradients all-reduced (DDP semantics). zero = 3 shards
+  parameters, gradients and optimizer state over dp_shard: each block is
+  all-gathered just before its forward and backward and freed after, gradients are
+  reduce-scattered.
+- `ZeroDataParallel` (zero.py), zero = 1 or 2: replicated plain parameters, sharded
+  fp32 masters and optimizer state (stage 1), and gradients (stage 2).
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
+import torch
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from polytrain.config import ParallelConfig, TrainConfig
 from polytrain.distributed.topology import ParallelDims
+from polytrain.distributed.zero import ZeroDataParallel
+from polytrain.optim.builder import build_optimizer
 
 
-def apply_data_parallel(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh) -> nn.Module:
-    """Shard/replicate `model` (still on meta) over the data-parallel mesh axes; in place."""
-    if dims.dp == 1:
+class DataParallel(Protocol):
+    """What the trainer, the checkpointer and later engines need from a data-parallel strategy."""
+
+    optimizer: torch.optim.Optimizer | None
+
+    def parallelize(self, model: nn.Module) -> nn.Module: ...
+    def build_optimizer(self, model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer: ...
+    def before_micro_batch(self, model: nn.Module, last: bool) -> None: ...
+    def clip_grad_norm_(self, max_norm: float) -> float: ...
+    def step(self) -> None: ...
+    def zero_grad(self) -> None: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state_dict: dict) -> None: ...
+
+
+def build_data_parallel(dims: ParallelDims, mesh: DeviceMesh | None, cfg: ParallelConfig) -> DataParallel:
+    """The strategy for `parallel.zero`; with one data-parallel rank every stage is a plain optimizer."""
+    if dims.zero in (1, 2) and dims.dp > 1:
+        # ParallelDims puts all data-parallel ranks on dp_shard for these stages.
+        return ZeroDataParallel(mesh["dp_shard"], dims.zero, int(cfg.reduce_bucket_mb * 2**20))
+    return FSDP2DataParallel(dims, mesh)
+
+
+class FSDP2DataParallel:
+    """zero = 0 (replicas) or 3 (sharded) through FSDP2; a plain model and optimizer when dp = 1."""
+
+    def __init__(self, dims: ParallelDims, mesh: DeviceMesh | None):
+        self.dims, self.mesh = dims, mesh
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """Shard/replicate `model` (still on meta) over the data-parallel mesh axes; in place.
+
+        Each transformer block is its own FSDP unit so only one block's full
+        parameters exist at a time; the root unit holds the embedding, final norm
+        and output head.
+        """
+        self.model = model
+        if self.dims.dp == 1:
+            return model
+        dp_mesh = self.mesh["dp_replicate", "dp_shard"]
+        # Re-gathering after forward is what saves ZeRO-3 its memory; with full
+        # replicas there is nothing to free.
+        reshard = self.dims.zero == 3
+        for block in model.layers.values():
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
+        # The root's parameters (embedding, head) are needed again right at the start
+        # of backward, so they stay gathered after forward.
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
         return model
-    dp_mesh = mesh["dp_replicate", "dp_shard"]
-    # Re-gathering after forward is what saves ZeRO-3 its memory; with full
-    # replicas there is nothing to free.
-    reshard = dims.zero == 3
-    for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
-    # The root's parameters (embedding, head) are needed again right at the start
-    # of backward, so they stay gathered after forward.
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
-    return model
 
+    def build_optimizer(self, model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+        self.model = model
+        self.optimizer = build_optimizer(model, cfg)
+        return self.optimizer
 
-def set_gradient_sync(model: nn.Module, dims: ParallelDims, last_micro_batch: bool) -> None:
-    """Reduce gradients across ranks only when needed during gradient accumulation.
+    def before_micro_batch(self, model: nn.Module, last: bool) -> None:
+        """Reduce gradients across ranks only when needed during gradient accumulation.
 
-    Replicas sync once, on the last micro-batch. ZeRO-3 reduce-scatters every
-    micro-batch: holding unsharded gradients until the end would cost the full
-    model's gradient memory that sharding exists to avoid.
-    """
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(last_micro_batch or dims.zero == 3)
+        Replicas sync once, on the last micro-batch. ZeRO-3 reduce-scatters every
+        micro-batch: holding unsharded gradients until the end would cost the full
+        model's gradient memory that sharding exists to avoid.
+        """
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(last or self.dims.zero == 3)
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(norm, "full_tensor"):  # a DTensor when parameters are sharded
+            norm = norm.full_tensor()
+        return norm.item()
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
+                       optim_state_dict=state_dict["optim"])

@@ -8,6 +8,7 @@ Ranks are laid out row-major over that shape, so the innermost axis holds
 consecutive ranks (inside one node); data parallelism, the outermost, spreads
 across nodes. Data-parallel ranks = dp_replicate x dp_shard: with ZeRO-3 the
 parameters are sharded over dp_shard and replicated over dp_replicate (HSDP);
+ZeRO-1/2 shard optimizer state (and gradients) over all of them, on dp_shard;
 without ZeRO everything sits on dp_replicate.
 """
 
@@ -68,7 +69,7 @@ class ParallelDims:
         else:
             if p.zero_shard not in (-1, 1):
                 raise ConfigError("parallel.zero_shard only applies with parallel.zero = 3; remove it or set zero = 3")
-            shard = 1
+            shard = dp if p.zero in (1, 2) else 1
         per_step = t.micro_batch_size * dp
         if t.global_batch_size % per_step:
             options = sorted({max(per_step, t.global_batch_size // per_step * per_step),

@@ -21,7 +21,11 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg.weight_decay)
+    return make_optimizer(param_groups(model, cfg.weight_decay), cfg)
+
+
+def make_optimizer(groups: list[dict], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The configured optimizer over prepared groups (e.g. ZeRO's master shards in `param_groups`' grouping)."""
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
     if cfg.optimizer == "sgd":

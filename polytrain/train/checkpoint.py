@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
 from polytrain.errors import CheckpointError
 
@@ -126,7 +126,8 @@ class Checkpointer:
                 shutil.rmtree(p, ignore_errors=True)
         _barrier()
 
-    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState) -> Path:
+    def save(self, tensors: Stateful, state: TrainerState) -> Path:
+        """Write `tensors.state_dict()` ({"model", "optim"}: the data-parallel strategy's) and `state`."""
         final = self.root / f"step_{state.step}"
         tmp = self.root / f".tmp-step_{state.step}"
         rank = _rank()
@@ -134,8 +135,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+        dcp.save(tensors.state_dict(), checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
         (tmp / "rng").mkdir(exist_ok=True)
         torch.save(self._rng_state(), tmp / "rng" / f"rank_{rank}.pt")
         if os.environ.get(_KILL_DURING_SAVE_ENV) == str(state.step):
@@ -160,9 +160,8 @@ class Checkpointer:
         for _, old in done[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-             expect: TrainerState) -> TrainerState:
-        """Restore tensors into the (possibly differently sharded) model and optimizer.
+    def load(self, path: Path, tensors: Stateful, expect: TrainerState) -> TrainerState:
+        """Restore model and optimizer tensors through `tensors` (the data-parallel strategy), at any layout.
 
         `expect` describes this run; a checkpoint of another model or optimizer is refused.
         """
@@ -179,9 +178,10 @@ class Checkpointer:
             raise CheckpointError(
                 f"checkpoint {path} holds {state.optimizer} state but train.optimizer = "
                 f"{expect.optimizer}; resume with the same optimizer or set checkpoint.resume = none")
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        _dcp_load({"model": model_sd, "optim": optim_sd}, path)
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        # DCP fills this rank's tensors of the strategy's state dict in place.
+        tensors_sd = tensors.state_dict()
+        _dcp_load(tensors_sd, path)
+        tensors.load_state_dict(tensors_sd)
         rng_file = path / "rng" / f"rank_{_rank()}.pt"
         if state.world_size == (dist.get_world_size() if dist.is_initialized() else 1) and rng_file.is_file():
             self._set_rng_state(torch.load(rng_file, weights_only=False))

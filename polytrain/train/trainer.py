@@ -24,14 +24,13 @@ from polytrain.backend import get_accelerator
 from polytrain.config import Config, to_toml
 from polytrain.data import GlobalBatchSampler, TokenDataset, prepare_corpus, val_batches
 from polytrain.distributed.activation_checkpoint import apply_activation_checkpointing
-from polytrain.distributed.data_parallel import apply_data_parallel, set_gradient_sync
+from polytrain.distributed.data_parallel import build_data_parallel
 from polytrain.distributed.materialize import materialize
 from polytrain.distributed.topology import ParallelDims, dp_coordinates
 from polytrain.distributed.world import barrier, init_world, mean_over_world
 from polytrain.errors import TrainingDiverged
 from polytrain.inference.generate import generate
 from polytrain.models import ARCHITECTURES
-from polytrain.optim.builder import build_optimizer
 from polytrain.optim.schedule import set_lr
 from polytrain.train.checkpoint import Checkpointer, TrainerState, check_checkpoint, latest_checkpoint
 from polytrain.train.metrics import MetricsLogger, plot_loss
@@ -61,8 +60,10 @@ class Trainer:
         self.acc.manual_seed(cfg.run.seed)
         self.corpus = self._prepare_corpus()
         self.tokenizer = self.corpus.tokenizer
+        self.dp = build_data_parallel(self.dims, self.mesh, cfg.parallel)
         self.model = self._build_model()
-        self.optimizer = build_optimizer(self.model, cfg.train)
+        # The optimizer whose param_groups carry the learning rate (ZeRO: the one over master shards).
+        self.optimizer = self.dp.build_optimizer(self.model, cfg.train)
         seq_len = cfg.data.seq_len
         self.train_data = TokenDataset(self.corpus.train_path, self.corpus.dtype, seq_len)
         self.val_data = TokenDataset(self.corpus.val_path, self.corpus.dtype, seq_len)
@@ -114,7 +115,7 @@ class Trainer:
         with torch.device("meta"):
             model = ARCHITECTURES[self.cfg.model.arch].build(self.cfg.model)
         apply_activation_checkpointing(model, self.cfg.train.activation_checkpoint)
-        apply_data_parallel(model, self.dims, self.mesh)
+        model = self.dp.parallelize(model)
         materialize(model, self.device, self.cfg.run.seed)
         return model
 
@@ -134,7 +135,7 @@ class Trainer:
         # Hyperparameters come from this run's config, not the checkpoint's
         # (loading optimizer state would otherwise bring back the old lr, betas, decay).
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        state = self.checkpointer.load(path, self.model, self.optimizer, self._trainer_state())
+        state = self.checkpointer.load(path, self.dp, self._trainer_state())
         for group, values in zip(self.optimizer.param_groups, hyper):
             group.update(values)
         self.sampler.load_state_dict(state.sampler)
@@ -149,7 +150,7 @@ class Trainer:
         )
 
     def save(self) -> Path:
-        return self.checkpointer.save(self.model, self.optimizer, self._trainer_state())
+        return self.checkpointer.save(self.dp, self._trainer_state())
 
     # ----- one step -----------------------------------------------------------------
 
@@ -169,7 +170,7 @@ class Trainer:
         micro_batches = [local[i:i + mbs] for i in range(0, len(local), mbs)]
         loss_sum = torch.zeros((), device=self.device)
         for i, indices in enumerate(micro_batches):
-            set_gradient_sync(self.model, self.dims, last_micro_batch=i == len(micro_batches) - 1)
+            self.dp.before_micro_batch(self.model, last=i == len(micro_batches) - 1)
             # Every micro-batch has the same token count, so the mean of the
             # micro-batch means (and, after the data-parallel gradient average,
             # of the ranks' means) is the mean over the whole global batch.
@@ -177,13 +178,10 @@ class Trainer:
             loss.backward()
             loss_sum += loss.detach()
         clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        if hasattr(grad_norm, "full_tensor"):  # a DTensor when parameters are sharded
-            grad_norm = grad_norm.full_tensor()
+        grad_norm_value = self.dp.clip_grad_norm_(clip)
         loss_value = mean_over_world(loss_sum).item()
-        grad_norm_value = grad_norm.item()
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm_value)):
-            self.optimizer.zero_grad(set_to_none=True)
+            self.dp.zero_grad()
             latest = latest_checkpoint(self.run_dir)
             raise TrainingDiverged(
                 f"loss is {loss_value} (grad norm {grad_norm_value}) at step {self.step + 1}; the "
@@ -192,8 +190,8 @@ class Trainer:
                 f"train.warmup_steps, then rerun to resume"
             )
         lr = set_lr(self.optimizer, self.step, self.cfg)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.dp.step()
+        self.dp.zero_grad()
         self.step += 1
         return {"loss": loss_value, "grad_norm": grad_norm_value, "lr": lr}
 
@@ -273,7 +271,8 @@ class Trainer:
         """Two lines on what this run is: model, layout, device, batch."""
         m, t, d = self.cfg.model, self.cfg.train, self.dims
         layout = f"{d.world_size} process(es): dp {d.dp}" + (
-            f", ZeRO-3 over {d.dp_shard} (x{d.dp_replicate} replicas)" if d.zero == 3 else "")
+            f", ZeRO-{d.zero} over {d.dp_shard}" if d.zero else "") + (
+            f" (x{d.dp_replicate} replicas)" if d.zero == 3 else "")
         return (f"model {m.arch} {m.size}: {self.model.num_params() / 1e6:.1f}M parameters | {layout} | "
                 f"{self.acc.describe()}\n"
                 f"global batch {t.global_batch_size} x {self.cfg.data.seq_len} tokens "

@@ -22,6 +22,12 @@ def test_zero3_shards_over_all_dp_or_a_group():
     assert dims(4, "--parallel.zero", "3", "--parallel.zero_shard", "2").shape == (2, 2)
 
 
+@pytest.mark.parametrize("stage", ["1", "2"])
+def test_zero12_shards_over_all_dp(stage):
+    d = dims(4, "--parallel.zero", stage)
+    assert d.shape == (1, 4) and d.zero == int(stage)
+
+
 def test_grad_accumulation_fills_the_global_batch():
     cfg = load_config(None, ["--train.global_batch_size", "32", "--train.micro_batch_size", "4"])
     assert ParallelDims.from_config(cfg, 2).grad_accum_steps(cfg) == 4
