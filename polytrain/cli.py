@@ -1,8 +1,9 @@
-"""`polytrain` command line: train, generate, prepare.
+"""`polytrain` command line: train, generate, prepare, consolidate.
 
     polytrain train [--config FILE.toml] [--section.key VALUE ...]
     polytrain generate RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
     polytrain prepare SOURCE OUT.bin [--vocab-size N] [--tokenizer bpe|PATH] [--val-fraction F]
+    polytrain consolidate CHECKPOINT_DIR OUT [--dtype fp32|bf16|fp16] [--format safetensors|pt]
 
 Errors a user can fix print one line starting with "error:" and exit with status 2.
 """
@@ -77,7 +78,27 @@ def _prepare(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "generate": _generate, "prepare": _prepare}
+def _consolidate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="polytrain consolidate",
+        description="Write a checkpoint's model weights, from any layout, as one plain state dict file. "
+                    "safetensors streams tensor by tensor (memory for about two of its largest tensors); "
+                    "pt holds the whole model in memory once.")
+    parser.add_argument("checkpoint", help="a runs/<name>/checkpoints/step_<N> directory")
+    parser.add_argument("out", help="output file, or an existing directory to write model.<format> in")
+    parser.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (floating tensors)")
+    parser.add_argument("--format", default=None,
+                        help="safetensors or pt (default: pt for .pt/.pth/.bin files, else safetensors)")
+    args = parser.parse_args(argv)
+
+    from polytrain.train.consolidate import consolidate
+
+    out = consolidate(args.checkpoint, args.out, dtype=args.dtype, fmt=args.format)
+    print(f"wrote {out} ({out.stat().st_size / 2**20:,.1f} MiB)")
+    return 0
+
+
+COMMANDS = {"train": _train, "generate": _generate, "prepare": _prepare, "consolidate": _consolidate}
 
 
 def main(argv: list[str] | None = None) -> int:
