@@ -108,12 +108,34 @@ class TrainConfig:
     """Adam first-moment decay."""
     beta2: float = 0.95
     """Adam second-moment decay."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    momentum: float = 0.9
+    """SGD momentum."""
     grad_clip: float = 1.0
     """Clip the global gradient norm (over all ranks and shards) to this; 0 = no clipping."""
     optimizer: str = _choices("adamw", "sgd")
     """Optimizer: adamw or sgd (momentum 0.9)."""
-    precision: str = _choices("fp32", "bf16")
-    """Compute precision; bf16 autocasts matmuls while weights and optimizer stay fp32."""
+    precision: str = _choices("fp32", "bf16", "fp16")
+    """Compute precision; bf16/fp16 autocast matmuls while weights and optimizer stay fp32."""
+    loss_scale: float = 0.0
+    """fp16 only: 0 = dynamic loss scaling; > 0 = this fixed scale."""
+    initial_scale_power: int = 16
+    """fp16 only: dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: int = 1000
+    """fp16 only: steps without overflow before the dynamic scale doubles."""
+    hysteresis: int = 2
+    """fp16 only: overflows tolerated (each skips its step) before the scale is halved."""
+    min_loss_scale: float = 1.0
+    """fp16 only: the dynamic scale never goes below this."""
+    lr_schedule: str = _choices("cosine", "ds_warmup", "ds_warmup_decay", "ds_warmup_cosine")
+    """cosine = linear warmup then cosine to min_lr; ds_* = DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR."""
+    warmup_type: str = _choices("linear", "log")
+    """ds_* schedules: shape of the warmup (cosine always warms up linearly)."""
+    warmup_start_lr: float = 0.0
+    """ds_* schedules: learning rate at the start of the warmup."""
+    schedule_steps: int = 0
+    """ds_warmup_decay / ds_warmup_cosine: step where the decay ends (0 = run.steps)."""
     activation_checkpoint: str = _choices("none", "full")
     """Recompute each block's activations in the backward pass to save memory."""
 
@@ -317,6 +339,12 @@ def validate(cfg: Config) -> None:
         )
     if not 0 < cfg.data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction = {cfg.data.val_fraction} must be in (0, 1): validation needs data")
+    if t.lr_schedule == "cosine" and t.warmup_type != "linear":
+        raise ConfigError("train.warmup_type = 'log' needs a ds_* train.lr_schedule; cosine warms up linearly")
+    if t.precision == "fp16" and (t.initial_scale_power < 0 or t.loss_scale < 0 or t.hysteresis < 1
+                                  or t.loss_scale_window < 1 or t.min_loss_scale <= 0):
+        raise ConfigError("fp16 loss scaling needs loss_scale >= 0, initial_scale_power >= 0, "
+                          "hysteresis >= 1, loss_scale_window >= 1 and min_loss_scale > 0")
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr = {t.min_lr} is above train.lr = {t.lr}")
     if cfg.parallel.reduce_bucket_mb <= 0:

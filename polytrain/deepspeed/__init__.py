@@ -8,7 +8,7 @@ from polytrain.deepspeed.config import (
     load_ds_config,
     to_overrides,
 )
-from polytrain.deepspeed.schedules import (
+from polytrain.optim.warmup_schedules import (
     Schedule,
     WarmupCosineLR,
     WarmupDecayLR,

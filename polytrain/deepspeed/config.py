@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from polytrain.deepspeed.schedules import Schedule, WarmupCosineLR, WarmupDecayLR, WarmupLR
+from polytrain.optim.warmup_schedules import Schedule, WarmupCosineLR, WarmupDecayLR, WarmupLR
 from polytrain.errors import ConfigError
 
 __all__ = [

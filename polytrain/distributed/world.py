@@ -53,3 +53,10 @@ def mean_over_world(value: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(value)
         value /= dist.get_world_size()
     return value
+
+
+def max_over_world(flag: torch.Tensor) -> torch.Tensor:
+    """The largest value of `flag` on any rank (e.g. 1 if any rank saw an overflow)."""
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag

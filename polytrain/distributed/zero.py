@@ -263,6 +263,12 @@ class ZeroDataParallel:
             bucket.launched = False
             bucket.ready.clear()
 
+    def gradients(self) -> list[torch.Tensor]:
+        """This rank's final gradients, once every reduction is done: the fp32 shards of each bucket."""
+        self._flush()
+        self._reducing = True
+        return [bucket.grad for bucket in self.buckets]
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale the gradient shards so their global norm is at most `max_norm`; return the norm before."""

@@ -27,7 +27,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
 def make_optimizer(groups: list[dict], cfg: TrainConfig) -> torch.optim.Optimizer:
     """The configured optimizer over prepared groups (e.g. ZeRO's master shards in `param_groups`' grouping)."""
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=0.9)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}")

@@ -12,6 +12,7 @@ import math
 import torch
 
 from polytrain.config import Config
+from polytrain.optim.warmup_schedules import schedule_from_train
 
 
 def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
@@ -23,10 +24,17 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps
     return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
+def scheduled_lr(step: int, cfg: Config) -> float:
+    """The configured schedule's rate for optimizer step `step` (0-based)."""
+    t = cfg.train
+    if t.lr_schedule != "cosine":  # one of DeepSpeed's warmup schedules
+        return schedule_from_train(t, cfg.run.steps).lr_at(step)
+    return lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, total_steps=cfg.run.steps)
+
+
 def set_lr(optimizer: torch.optim.Optimizer, step: int, cfg: Config) -> float:
     """Put the schedule's rate for `step` into every parameter group; returns it."""
-    t = cfg.train
-    lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, total_steps=cfg.run.steps)
+    lr = scheduled_lr(step, cfg)
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr

@@ -51,6 +51,7 @@ class TrainerState:
     optimizer: str
     model_config: dict[str, Any]
     world_size: int
+    loss_scaler: dict[str, Any] | None = None  # fp16 runs: the dynamic scale and its counters
 
 
 def checkpoints_dir(run_dir: Path) -> Path:

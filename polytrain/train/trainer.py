@@ -27,13 +27,14 @@ from polytrain.distributed.activation_checkpoint import apply_activation_checkpo
 from polytrain.distributed.data_parallel import build_data_parallel
 from polytrain.distributed.materialize import materialize
 from polytrain.distributed.topology import ParallelDims, dp_coordinates
-from polytrain.distributed.world import barrier, init_world, mean_over_world
+from polytrain.distributed.world import barrier, init_world, max_over_world, mean_over_world
 from polytrain.errors import TrainingDiverged
 from polytrain.inference.generate import generate
 from polytrain.models import ARCHITECTURES
 from polytrain.optim.schedule import set_lr
 from polytrain.train.checkpoint import Checkpointer, TrainerState, check_checkpoint, latest_checkpoint
 from polytrain.train.metrics import MetricsLogger, plot_loss
+from polytrain.train.precision import LossScaler, check_fp16_autocast
 from polytrain.train.progress import ProgressBar
 
 SAMPLE_PROMPT = "def "
@@ -79,7 +80,9 @@ class Trainer:
         )
         self.tokens_per_step = cfg.train.global_batch_size * seq_len
         self.flops_per_token = self.model.flops_per_token(seq_len)
-        self.autocast_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.train.precision]
+        self.autocast_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
+                               "fp16": torch.float16}[cfg.train.precision]
+        self.scaler = self._loss_scaler()
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self._rng_state, self._set_rng_state)
         self.step = 0
         if self.resume_from is not None:
@@ -119,6 +122,16 @@ class Trainer:
         materialize(model, self.device, self.cfg.run.seed)
         return model
 
+    def _loss_scaler(self) -> LossScaler | None:
+        """fp16 only: gradients are computed for loss x scale so small ones survive fp16."""
+        t = self.cfg.train
+        if t.precision != "fp16":
+            return None
+        check_fp16_autocast(self.acc)
+        return LossScaler(loss_scale=t.loss_scale, initial_scale_power=t.initial_scale_power,
+                          loss_scale_window=t.loss_scale_window, hysteresis=t.hysteresis,
+                          min_loss_scale=t.min_loss_scale, device=self.device)
+
     def _shape_config(self) -> dict[str, Any]:
         return {k: getattr(self.cfg.model, k) for k in SHAPE_FIELDS}
 
@@ -139,6 +152,8 @@ class Trainer:
         for group, values in zip(self.optimizer.param_groups, hyper):
             group.update(values)
         self.sampler.load_state_dict(state.sampler)
+        if self.scaler is not None and state.loss_scaler is not None:
+            self.scaler.load_state_dict(state.loss_scaler)
         if self.world.is_main:
             print(f"resumed from {path} at step {state.step}", flush=True)
         return state.step
@@ -147,6 +162,7 @@ class Trainer:
         return TrainerState(
             step=self.step, sampler=self.sampler.state_dict(), optimizer=self.cfg.train.optimizer,
             model_config=self._shape_config(), world_size=self.world.world_size,
+            loss_scaler=self.scaler.state_dict() if self.scaler else None,
         )
 
     def save(self) -> Path:
@@ -175,11 +191,21 @@ class Trainer:
             # micro-batch means (and, after the data-parallel gradient average,
             # of the ranks' means) is the mean over the whole global batch.
             loss = self._loss(indices, self.train_data) / len(micro_batches)
-            loss.backward()
+            (self.scaler.scale_loss(loss) if self.scaler else loss).backward()
             loss_sum += loss.detach()
+        loss_value = mean_over_world(loss_sum).item()
+        stats = {"loss": loss_value}
+        if self.scaler is not None:
+            stats["loss_scale"] = self.scaler.scale
+            # An fp16 overflow on any rank skips the step everywhere and lowers the scale.
+            if self.scaler.unscale_and_check(self.dp.gradients(), max_over_world):
+                self.dp.zero_grad()
+                self.scaler.update(found_inf=True)
+                self.step += 1
+                return {**stats, "grad_norm": None, "lr": self.optimizer.param_groups[0]["lr"],
+                        "skipped_steps": self.scaler.skipped_steps}
         clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else math.inf
         grad_norm_value = self.dp.clip_grad_norm_(clip)
-        loss_value = mean_over_world(loss_sum).item()
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm_value)):
             self.dp.zero_grad()
             latest = latest_checkpoint(self.run_dir)
@@ -193,7 +219,10 @@ class Trainer:
         self.dp.step()
         self.dp.zero_grad()
         self.step += 1
-        return {"loss": loss_value, "grad_norm": grad_norm_value, "lr": lr}
+        if self.scaler is not None:
+            self.scaler.update(found_inf=False)
+            stats["skipped_steps"] = self.scaler.skipped_steps
+        return {**stats, "grad_norm": grad_norm_value, "lr": lr}
 
     @torch.no_grad()
     def evaluate(self) -> float:
