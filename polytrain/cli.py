@@ -1,6 +1,6 @@
 """`polytrain` command line: train, generate, prepare, consolidate.
 
-    polytrain train [--config FILE.toml] [--section.key VALUE ...]
+    polytrain train [--config FILE.toml] [--deepspeed_config ds_config.json] [--section.key VALUE ...]
     polytrain generate RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
     polytrain prepare SOURCE OUT.bin [--vocab-size N] [--tokenizer bpe|PATH] [--val-fraction F]
     polytrain consolidate CHECKPOINT_DIR OUT [--dtype fp32|bf16|fp16] [--format safetensors|pt]
@@ -20,15 +20,15 @@ USAGE = __doc__.split("\n\n")[1]
 
 
 def _train(argv: list[str]) -> int:
-    from polytrain.config import help_text, load_config
-    from polytrain.train.__main__ import run_worker, split_config_arg
+    from polytrain.config import help_text
+    from polytrain.train.__main__ import config_from_argv, run_worker
 
     if "-h" in argv or "--help" in argv:
-        print("usage: polytrain train [--config FILE.toml] [--section.key VALUE ...]\n")
+        print("usage: polytrain train [--config FILE.toml] [--deepspeed_config ds_config.json] "
+              "[--section.key VALUE ...]\n")
         print(help_text())
         return 0
-    path, overrides = split_config_arg(argv)
-    cfg = load_config(path, overrides)
+    cfg = config_from_argv(argv)
     if cfg.parallel.nproc > 1 and "WORLD_SIZE" not in os.environ:
         from polytrain.distributed.topology import ParallelDims
         from polytrain.train.launch import launch_local_workers

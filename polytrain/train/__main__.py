@@ -1,4 +1,4 @@
-"""One training worker: `python -m polytrain.train [--config FILE] [--section.key VALUE ...]`.
+"""One training worker: `python -m polytrain.train [--config FILE] [--deepspeed_config F] [--section.key VALUE ...]`.
 
 Single process:      python -m polytrain.train --run.steps 100
 Under torchrun:      torchrun --nnodes 2 --nproc_per_node 8 -m polytrain.train --config c.toml
@@ -10,26 +10,51 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 
 import torch.distributed as dist
 
-from polytrain.config import load_config
+from polytrain.config import Config, load_config
 from polytrain.errors import PolytrainError
-from polytrain.train.launch import EXIT_USER_ERROR
+from polytrain.train.launch import EXIT_USER_ERROR, LAUNCHED_ENV
 
 
-def split_config_arg(argv: list[str]) -> tuple[str | None, list[str]]:
-    """Take `--config FILE` (or `--config=FILE`) out of argv; the rest are overrides."""
-    rest, path, i = [], None, 0
+def _take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
+    """Remove `--name VALUE` (or `--name=VALUE`) from argv; returns (VALUE or None, the rest)."""
+    rest, value, i = [], None, 0
     while i < len(argv):
-        if argv[i] == "--config" and i + 1 < len(argv):
-            path, i = argv[i + 1], i + 2
-        elif argv[i].startswith("--config="):
-            path, i = argv[i].split("=", 1)[1], i + 1
+        if argv[i] == name and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+        elif argv[i].startswith(name + "="):
+            value, i = argv[i].split("=", 1)[1], i + 1
         else:
             rest.append(argv[i])
             i += 1
-    return path, rest
+    return value, rest
+
+
+def config_from_argv(argv: list[str]) -> Config:
+    """`[--config FILE.toml] [--deepspeed_config ds_config.json] [--section.key VALUE ...]` -> Config.
+
+    Precedence: defaults < TOML < the DeepSpeed config < command-line overrides. The
+    DeepSpeed batch rules need the data-parallel world size: WORLD_SIZE under torchrun,
+    else parallel.nproc.
+    """
+    path, rest = _take_option(argv, "--config")
+    ds_path, overrides = _take_option(rest, "--deepspeed_config")
+    if ds_path is None:
+        return load_config(path, overrides)
+    from polytrain.deepspeed import load_ds_config, to_overrides
+
+    world = int(os.environ.get("WORLD_SIZE") or load_config(path, overrides).parallel.nproc)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ds = load_ds_config(ds_path, world_size=world)
+    # One line, once per job: by rank 0, and not again by workers `polytrain train` started.
+    if os.environ.get("RANK", "0") == "0" and LAUNCHED_ENV not in os.environ:
+        for w in caught:
+            print(f"warning: {w.message}", file=sys.stderr, flush=True)
+    return load_config(path, to_overrides(ds) + overrides)
 
 
 def run_worker(argv: list[str]) -> int:
@@ -40,8 +65,7 @@ def run_worker(argv: list[str]) -> int:
     # Rank 0 tells what it is doing (e.g. tokenizing the corpus once); the others stay quiet.
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     try:
-        path, overrides = split_config_arg(argv)
-        trainer = Trainer(load_config(path, overrides))
+        trainer = Trainer(config_from_argv(argv))
         summary = trainer.train()
     except PolytrainError as e:
         if rank == 0:

@@ -15,6 +15,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 EXIT_USER_ERROR = 2
+LAUNCHED_ENV = "POLYTRAIN_LAUNCHED"  # set for workers this launcher starts: the parent already spoke
 
 
 def launch_local_workers(nproc: int, argv: list[str]) -> int:
@@ -22,6 +23,7 @@ def launch_local_workers(nproc: int, argv: list[str]) -> int:
     # Each worker would otherwise start one thread per core and they would fight
     # over the cores; torchrun applies the same default.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ[LAUNCHED_ENV] = "1"
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc,
         run_id=f"polytrain-{uuid.uuid4().hex[:8]}",
