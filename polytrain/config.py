@@ -152,6 +152,10 @@ class ParallelConfig:
     """Ranks one ZeRO-3 shard group spans; -1 = all of dp; a smaller divisor replicates shards across groups (HSDP)."""
     reduce_bucket_mb: float = 25.0
     """ZeRO-1/2: MiB of gradients reduce-scattered together; smaller buckets start during backward sooner."""
+    offload: str = _choices("none", "cpu", "nvme")
+    """ZeRO-1/2 masters and optimizer state: on the accelerator (none), in host memory (cpu) or in files (nvme)."""
+    nvme_path: str = ""
+    """Directory of offload = nvme's memory-mapped state files; empty = <run dir>/offload (a temp dir if unknown)."""
 
 
 @dataclass
@@ -349,6 +353,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.min_lr = {t.min_lr} is above train.lr = {t.lr}")
     if cfg.parallel.reduce_bucket_mb <= 0:
         raise ConfigError(f"parallel.reduce_bucket_mb = {cfg.parallel.reduce_bucket_mb} must be positive")
+    if cfg.parallel.offload != "none" and cfg.parallel.zero not in (1, 2):
+        raise ConfigError(
+            f"parallel.offload = '{cfg.parallel.offload}' needs parallel.zero = 1 or 2, not {cfg.parallel.zero} "
+            f"(it moves ZeRO-1/2's sharded optimizer state); set parallel.zero = 2 or parallel.offload = 'none'"
+        )
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 0:
         raise ConfigError("checkpoint.every and checkpoint.keep must be >= 0")
 

@@ -100,6 +100,10 @@ class Accelerator(ABC):
         """Dense peak FLOP/s of one device for matmuls in `dtype`; None if unknown."""
 
     @abstractmethod
+    def pin_memory_available(self) -> bool:
+        """Whether host memory can be page-locked for asynchronous copies to and from the device."""
+
+    @abstractmethod
     def device_name(self) -> str:
         """Product name of the current device, e.g. 'NVIDIA H200' or the CPU model."""
 

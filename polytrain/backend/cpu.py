@@ -109,6 +109,10 @@ class CPUAccelerator(Accelerator):
             self._peak_flops[dtype] = cpu_peak_flops(dtype)
         return self._peak_flops[dtype]
 
+    def pin_memory_available(self) -> bool:
+        """False: the device is host memory, so there is nothing to copy to (and no pinning API)."""
+        return False
+
     def device_name(self) -> str:
         """The CPU model, e.g. 'AMD EPYC 7763 64-Core Processor'."""
         return cpu_model()

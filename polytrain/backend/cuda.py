@@ -115,6 +115,10 @@ class CUDAAccelerator(Accelerator):
         """Datasheet peak of the current GPU (TF32 rate for float32 when TF32 is enabled)."""
         return gpu_peak_flops(self.device_name(), dtype, tf32=_tf32_enabled())
 
+    def pin_memory_available(self) -> bool:
+        """True: CUDA and ROCm copy asynchronously from page-locked host memory."""
+        return True
+
     def device_name(self) -> str:
         """Product name of the current GPU, e.g. 'NVIDIA H200' or 'AMD Instinct MI300X'."""
         return torch.cuda.get_device_name()

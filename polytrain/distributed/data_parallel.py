@@ -9,6 +9,7 @@
     grad_norm = dp.clip_grad_norm_(max_norm)          # the true global norm, before clipping
     dp.step(); dp.zero_grad()
     dp.state_dict() / dp.load_state_dict(sd)          # {"model", "optim"} in get_state_dict's keys
+    dp.close()                                        # at the end: e.g. delete nvme offload's files
 
 Two implementations:
 - `FSDP2DataParallel`, zero = 0 or 3 (and the single process): FSDP2 `fully_shard` on
@@ -18,20 +19,25 @@ Two implementations:
   all-gathered just before its forward and backward and freed after, gradients are
   reduce-scattered.
 - `ZeroDataParallel` (zero.py), zero = 1 or 2: replicated plain parameters, sharded
-  fp32 masters and optimizer state (stage 1), and gradients (stage 2).
+  fp32 masters and optimizer state (stage 1), and gradients (stage 2); with
+  `parallel.offload` those live and step on the host or in files (offload.py), also
+  on a single rank.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from polytrain.config import ParallelConfig, TrainConfig
+from polytrain.distributed.offload import ShardStore
 from polytrain.distributed.topology import ParallelDims
 from polytrain.distributed.zero import ZeroDataParallel
 from polytrain.optim.builder import build_optimizer
@@ -51,13 +57,22 @@ class DataParallel(Protocol):
     def zero_grad(self) -> None: ...
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state_dict: dict) -> None: ...
+    def close(self) -> None: ...
 
 
-def build_data_parallel(dims: ParallelDims, mesh: DeviceMesh | None, cfg: ParallelConfig) -> DataParallel:
-    """The strategy for `parallel.zero`; with one data-parallel rank every stage is a plain optimizer."""
-    if dims.zero in (1, 2) and dims.dp > 1:
+def build_data_parallel(dims: ParallelDims, mesh: DeviceMesh | None, cfg: ParallelConfig,
+                        run_dir: Path | None = None) -> DataParallel:
+    """The strategy for `parallel.zero`; one data-parallel rank gets a plain optimizer unless offloading.
+
+    `run_dir` is where nvme offload's files go when `parallel.nvme_path` is empty
+    (<run dir>/offload); without it, a fresh temp directory.
+    """
+    if dims.zero in (1, 2) and (dims.dp > 1 or cfg.offload != "none"):
+        nvme_dir = cfg.nvme_path or (Path(run_dir) / "offload" if run_dir is not None else None)
+        store = ShardStore(cfg.offload, nvme_dir, dist.get_rank() if dist.is_initialized() else 0)
         # ParallelDims puts all data-parallel ranks on dp_shard for these stages.
-        return ZeroDataParallel(mesh["dp_shard"], dims.zero, int(cfg.reduce_bucket_mb * 2**20))
+        dp_mesh = mesh["dp_shard"] if dims.dp > 1 else None
+        return ZeroDataParallel(dp_mesh, dims.zero, int(cfg.reduce_bucket_mb * 2**20), store)
     return FSDP2DataParallel(dims, mesh)
 
 
@@ -128,3 +143,6 @@ class FSDP2DataParallel:
     def load_state_dict(self, state_dict: dict) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
                        optim_state_dict=state_dict["optim"])
+
+    def close(self) -> None:
+        """Nothing outlives the run."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from polytrain.config import Config, ConfigError
+from polytrain.distributed.offload import check_nvme_path
 
 MESH_AXES = ("dp_replicate", "dp_shard")
 
@@ -70,6 +71,8 @@ class ParallelDims:
             if p.zero_shard not in (-1, 1):
                 raise ConfigError("parallel.zero_shard only applies with parallel.zero = 3; remove it or set zero = 3")
             shard = dp if p.zero in (1, 2) else 1
+        if p.offload == "nvme" and p.nvme_path:
+            check_nvme_path(p.nvme_path)  # here, not in config.validate: another machine may read the config
         per_step = t.micro_batch_size * dp
         if t.global_batch_size % per_step:
             options = sorted({max(per_step, t.global_batch_size // per_step * per_step),

@@ -24,6 +24,13 @@ padded to c rows, and the parameters of one bucket are laid out per rank:
 
 After the inner optimizer step the master shards are all-gathered back into the
 compute parameters.
+
+Where the flat buffers, and so the optimizer state and step, live is the
+`ShardStore`'s business (offload.py): on the accelerator, or on the host with
+`parallel.offload`. Collectives always run on the accelerator: reduced gradients are
+copied to the host shards, updated masters back to the device before the all-gather.
+With a single data-parallel rank (offload on one device) there is no mesh: the shards
+are whole plain tensors and the collectives are copies.
 """
 
 from __future__ import annotations
@@ -36,8 +43,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from polytrain.backend import get_accelerator
 from polytrain.config import TrainConfig
+from polytrain.distributed.offload import ShardStore, fresh_state, state_names
 from polytrain.optim.builder import make_optimizer, param_groups
 
 # Collectives allowed in flight at once: enough to overlap with compute, while the
@@ -86,14 +96,18 @@ class CommCounts:
     all_gather_bytes: int = 0
 
 
-def plan_buckets(named: list[tuple[str, nn.Parameter]], bucket_bytes: int, dp: int, rank: int) -> list[Bucket]:
+def plan_buckets(named: list[tuple[str, nn.Parameter]], bucket_bytes: int, dp: int, rank: int,
+                 store: ShardStore | None = None) -> list[Bucket]:
     """Group parameters, in the given order, into buckets of at most `bucket_bytes` of gradient.
 
-    A parameter larger than the limit gets a bucket of its own.
+    A parameter larger than the limit gets a bucket of its own. `store` places the
+    buckets' buffers (default: zeros on the parameters' device).
     """
+    store = store or ShardStore()
+
     def bucket(slots: list[Slot], size: int) -> Bucket:
-        device = slots[0].param.device
-        return Bucket(slots, size, torch.zeros(size, device=device), torch.zeros(size, device=device))
+        device, index = slots[0].param.device, len(buckets)
+        return Bucket(slots, size, store.master(index, size, device), store.grad(index, size, device))
 
     buckets, slots, size, used = [], [], 0, 0
     for fqn, param in named:
@@ -136,7 +150,7 @@ def join_pieces(pieces: torch.Tensor, flat: torch.Tensor) -> None:
 class ZeroDataParallel:
     """ZeRO stage 1 or 2 over a 1-D data-parallel mesh; the strategy interface of `data_parallel.py`.
 
-    Where things live (what mixed precision or offload would swap):
+    Where things live (what mixed precision would swap; `store` decides the device):
     - `buckets[i].master` / `.grad`: flat fp32 buffers (S,) with this rank's master
       and reduced-gradient shards of the bucket's parameters;
     - `masters`: FQN -> `Shard(0)` DTensor parameter viewing its rows of a `master` buffer
@@ -145,20 +159,26 @@ class ZeroDataParallel:
       the sharded optimizer state.
     """
 
-    def __init__(self, mesh: DeviceMesh, stage: int, bucket_bytes: int):
+    def __init__(self, mesh: DeviceMesh | None, stage: int, bucket_bytes: int,
+                 store: ShardStore | None = None):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements stages 1 and 2, not {stage}")
         self.mesh, self.stage, self.bucket_bytes = mesh, stage, bucket_bytes
-        self.group = mesh.get_group()
-        self.rank, self.size = mesh.get_local_rank(), mesh.size()
+        self._hooks: list = []
+        self.store = store or ShardStore()
+        # mesh None: one data-parallel rank, no process group.
+        self.group = mesh.get_group() if mesh is not None else None
+        self.rank, self.size = (mesh.get_local_rank(), mesh.size()) if mesh is not None else (0, 1)
+        self.device = torch.device("cpu")  # of the compute parameters, set by build_optimizer
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.buckets: list[Bucket] = []
         self.masters: dict[str, nn.Parameter] = {}
         self.comm = CommCounts()
         self._master_grads: list[tuple[nn.Parameter, DTensor]] = []
+        self._grad_shards: list[torch.Tensor] = []  # the local rows of each master's gradient
         self._bucket_of: dict[int, Bucket] = {}
-        self._pending: list[tuple[dist.Work, torch.Tensor, Bucket, torch.Tensor]] = []
+        self._pending: list[tuple[dist.Work | None, torch.Tensor, Bucket, torch.Tensor]] = []
         # Whether gradients produced by backward now are reduced at once (always in
         # stage 2, on the last micro-batch in stage 1). True by default so a caller
         # that never announces micro-batches still gets reduced gradients.
@@ -178,37 +198,64 @@ class ZeroDataParallel:
         # get_state_dict keys its optimizer state. Backward produces gradients
         # roughly in reverse order, so buckets are filled from the end.
         named = list(model.named_parameters())
-        self.buckets = plan_buckets(named[::-1], self.bucket_bytes, self.size, self.rank)
+        self.device = named[0][1].device
+        self.buckets = plan_buckets(named[::-1], self.bucket_bytes, self.size, self.rank, self.store)
         by_param, by_fqn = {}, {}
         for bucket in self.buckets:
             for slot in bucket.slots:
                 master, grad = self._shard_views(bucket, slot)
                 by_fqn[slot.fqn] = by_param[id(slot.param)] = master
                 self._master_grads.append((master, grad))
+                self._grad_shards.append(self._rows(bucket.grad, slot))
                 self._bucket_of[id(slot.param)] = bucket
-                slot.param.register_post_accumulate_grad_hook(self._on_grad_ready)
+                # Kept to remove in close(): the hook is a bound method held by autograd's
+                # C++ side, a cycle the garbage collector cannot see, which would keep the
+                # model, masters and optimizer state alive after the run.
+                self._hooks.append(slot.param.register_post_accumulate_grad_hook(self._on_grad_ready))
         self.masters = {fqn: by_fqn[fqn] for fqn, _ in named}  # model order, as in checkpoints
         groups = [{**g, "params": [by_param[id(p)] for p in g["params"]]}
                   for g in param_groups(model, cfg.weight_decay)]
         self.optimizer = make_optimizer(groups, cfg)
+        if self.store.maps_state:
+            self._map_optimizer_state()
         return self.optimizer
+
+    @staticmethod
+    def _rows(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
+        """This rank's rows of `slot`'s parameter inside a bucket buffer `flat` (S,), as (rows, ...)."""
+        return flat[slot.offset:slot.offset + slot.rows * slot.row].view(slot.rows, *slot.param.shape[1:])
 
     @torch.no_grad()
     def _shard_views(self, bucket: Bucket, slot: Slot) -> tuple[nn.Parameter, DTensor]:
         """This rank's master (filled from the compute parameter) and gradient shard of one parameter."""
-        param = slot.param
-        start, rows = shard_rows(param.shape[0], self.size, self.rank)
-        span = slice(slot.offset, slot.offset + rows * slot.row)
-        local_shape = (rows, *param.shape[1:])
-        master_local = bucket.master[span].view(local_shape)  # (rows, ...)
-        master_local.copy_(param[start:start + rows])
-        grad_local = bucket.grad[span].view(local_shape)  # (rows, ...)
-        return nn.Parameter(self._as_dtensor(master_local, param)), self._as_dtensor(grad_local, param)
+        start = shard_rows(slot.param.shape[0], self.size, self.rank)[0]
+        master_local = self._rows(bucket.master, slot)  # (rows, ...)
+        master_local.copy_(slot.param[start:start + slot.rows])
+        return (nn.Parameter(self._as_dtensor(master_local, slot.param)),
+                self._as_dtensor(self._rows(bucket.grad, slot), slot.param))
 
-    def _as_dtensor(self, local: torch.Tensor, like: torch.Tensor) -> DTensor:
-        """This rank's rows `local` as a `Shard(0)` DTensor with the global shape of `like` (shares storage)."""
+    def _map_optimizer_state(self) -> None:
+        """Give the inner optimizer state that views memory-mapped files, one per bucket and state tensor."""
+        names = state_names(self.optimizer)
+        for index, bucket in enumerate(self.buckets):
+            files = {name: self.store.state(index, name, bucket.size) for name in names}  # (S,) each
+            for slot in bucket.slots:
+                views = {name: self._as_dtensor(self._rows(flat, slot), slot.param)
+                         for name, flat in files.items()}
+                self.optimizer.state[self.masters[slot.fqn]] = fresh_state(self.optimizer, views)
+
+    def _as_dtensor(self, local: torch.Tensor, like: torch.Tensor) -> DTensor | torch.Tensor:
+        """This rank's rows `local` as a `Shard(0)` DTensor with the global shape of `like` (shares storage).
+
+        Built from its spec: `DTensor.from_local` would copy a host (offloaded) shard to
+        the mesh's device. FSDP2's CPU offload builds its sharded parameters the same way.
+        Without a mesh the rows are the whole tensor and stay plain.
+        """
+        if self.mesh is None:
+            return local
         stride = torch.empty(like.shape, device="meta").stride()  # contiguous, of the global shape
-        return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False, shape=like.shape, stride=stride)
+        spec = DTensorSpec(self.mesh, (Shard(0),), TensorMeta(like.shape, stride, local.dtype))
+        return DTensor(local, spec, requires_grad=False)
 
     # ----- gradients ----------------------------------------------------------------
 
@@ -233,13 +280,14 @@ class ZeroDataParallel:
     @torch.no_grad()
     def _launch(self, bucket: Bucket) -> None:
         """Start the bucket's reduce-scatter and free its full gradients."""
-        send = torch.zeros(self.size, bucket.size, dtype=bucket.grad.dtype, device=bucket.grad.device)  # (dp, S)
+        send = torch.zeros(self.size, bucket.size, dtype=bucket.grad.dtype, device=self.device)  # (dp, S)
         for slot in bucket.slots:
             if slot.param.grad is not None:
                 split_into_pieces(slot.param.grad.reshape(-1), send[:, slot.offset:slot.offset + slot.piece])
                 slot.param.grad = None
-        recv = torch.empty_like(bucket.grad)  # (S,) the sum of every rank's pieces for this rank
-        work = dist.reduce_scatter_single(recv, send.view(-1), group=self.group, async_op=True)
+        # (S,) the sum of every rank's pieces for this rank
+        recv = torch.empty(bucket.size, dtype=bucket.grad.dtype, device=self.device)
+        work = self._collective(dist.reduce_scatter_single, recv, send.view(-1))
         self.comm.reduce_scatter_calls += 1
         self.comm.reduce_scatter_bytes += send.numel() * send.element_size()
         bucket.launched = True
@@ -247,10 +295,19 @@ class ZeroDataParallel:
         while len(self._pending) > MAX_IN_FLIGHT:
             self._finish_oldest()
 
+    def _collective(self, op, out: torch.Tensor, inp: torch.Tensor) -> dist.Work | None:
+        """Start `op` (reduce_scatter_single / all_gather_single) on the dp group; one rank only copies."""
+        if self.group is None:
+            out.copy_(inp.view_as(out))
+            return None
+        return op(out, inp, group=self.group, async_op=True)
+
     def _finish_oldest(self) -> None:
         work, recv, bucket, _send = self._pending.pop(0)  # _send must live until the work is done
-        work.wait()
-        bucket.grad.add_(recv.div_(self.size))  # the average over data-parallel ranks
+        if work is not None:
+            work.wait()
+        # The average over data-parallel ranks; offloaded, a (blocking) copy to the host shard.
+        bucket.grad.add_(recv.div_(self.size).to(bucket.grad.device))
 
     def _flush(self) -> None:
         """Reduce whatever gradients backward left (e.g. of unused parameters) and wait for all reductions."""
@@ -276,14 +333,15 @@ class ZeroDataParallel:
         self._reducing = True
         # Per-parameter norms first, as torch's clip_grad_norm_ does: one fp32 norm over a
         # whole bucket loses ~1e-6 relative accuracy.
-        local = [grad.to_local() for _, grad in self._master_grads]  # this rank's rows of each gradient
-        total = torch.stack([torch.linalg.vector_norm(g) for g in local]).square().sum()
-        dist.all_reduce(total, group=self.group)
+        total = torch.stack([torch.linalg.vector_norm(g) for g in self._grad_shards]).square().sum()
+        total = total.to(self.device)  # collectives run on the accelerator
+        if self.group is not None:
+            dist.all_reduce(total, group=self.group)
         norm = total.sqrt()
         if math.isfinite(max_norm):
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             for bucket in self.buckets:
-                bucket.grad.mul_(coef)
+                bucket.grad.mul_(coef.to(bucket.grad.device))
         return norm.item()
 
     # ----- optimizer step -----------------------------------------------------------
@@ -294,6 +352,9 @@ class ZeroDataParallel:
         self._reducing = True
         for master, grad in self._master_grads:
             master.grad = grad  # re-attached: an inner zero_grad(set_to_none) would have dropped them
+        if self.store.offloaded:
+            # The last gather's asynchronous copies to the device read the host masters this step rewrites.
+            get_accelerator().synchronize()
         self.optimizer.step()
         self._gather_params()
 
@@ -307,19 +368,22 @@ class ZeroDataParallel:
     def _gather_params(self) -> None:
         in_flight = []
         for bucket in self.buckets:
-            recv = torch.empty(self.size, bucket.size, dtype=bucket.master.dtype, device=bucket.master.device)
-            work = dist.all_gather_single(recv.view(-1), bucket.master, group=self.group, async_op=True)
+            # Offloaded, the updated host shard goes to the device first (asynchronously from pinned memory).
+            send = bucket.master.to(self.device, non_blocking=True)  # (S,)
+            recv = torch.empty(self.size, bucket.size, dtype=bucket.master.dtype, device=self.device)
+            work = self._collective(dist.all_gather_single, recv.view(-1), send)
             self.comm.all_gather_calls += 1
             self.comm.all_gather_bytes += recv.numel() * recv.element_size()
-            in_flight.append((work, recv, bucket))
+            in_flight.append((work, recv, bucket, send))
             if len(in_flight) >= MAX_IN_FLIGHT:
                 self._copy_gathered(*in_flight.pop(0))
         for item in in_flight:
             self._copy_gathered(*item)
 
     @staticmethod
-    def _copy_gathered(work: dist.Work, recv: torch.Tensor, bucket: Bucket) -> None:
-        work.wait()
+    def _copy_gathered(work: dist.Work | None, recv: torch.Tensor, bucket: Bucket, send: torch.Tensor) -> None:
+        if work is not None:  # `send` had to live until now
+            work.wait()
         for slot in bucket.slots:  # recv (dp, S) -> each full parameter
             join_pieces(recv[:, slot.offset:slot.offset + slot.piece], slot.param.detach().view(-1))
 
@@ -376,6 +440,13 @@ class ZeroDataParallel:
             group["lr"] = lr
         for master, grad in self._master_grads:
             master.grad = grad
+
+    def close(self) -> None:
+        """Release what outlives the run: the gradient hooks and nvme offload's files."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self.store.close()
 
 
 def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:

@@ -61,7 +61,7 @@ class Trainer:
         self.acc.manual_seed(cfg.run.seed)
         self.corpus = self._prepare_corpus()
         self.tokenizer = self.corpus.tokenizer
-        self.dp = build_data_parallel(self.dims, self.mesh, cfg.parallel)
+        self.dp = build_data_parallel(self.dims, self.mesh, cfg.parallel, run_dir=self.run_dir)
         self.model = self._build_model()
         # The optimizer whose param_groups carry the learning rate (ZeRO: the one over master shards).
         self.optimizer = self.dp.build_optimizer(self.model, cfg.train)
@@ -291,10 +291,15 @@ class Trainer:
         sample = self.sample() if cfg.run.sample_tokens > 0 else ""
         if main:
             plot_loss(self.run_dir)
-        self.metrics.close()
+        self.close()
         return {"step": self.step, "first_val_loss": first_val, "val_loss": last_val,
                 "checkpoint": str(checkpoint) if checkpoint else None, "sample": sample,
                 "time_s": time.perf_counter() - start}
+
+    def close(self) -> None:
+        """Release what outlives the loop: offload files, gradient hooks, open metrics files."""
+        self.dp.close()
+        self.metrics.close()
 
     def describe(self) -> str:
         """Two lines on what this run is: model, layout, device, batch."""

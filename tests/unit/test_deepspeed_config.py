@@ -793,7 +793,7 @@ def test_emitted_keys_are_polytrain_keys_or_the_announced_new_ones():
     existing = [
         t
         for k, v in pairs(to_overrides(ds)).items()
-        if k in all_keys() and k not in ("train.precision", "parallel.zero")
+        if k in all_keys() and k != "train.precision"
         for t in (f"--{k}", v)
     ]
     cfg = load_config(None, existing)
