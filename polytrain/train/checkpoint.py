@@ -181,7 +181,7 @@ class Checkpointer:
                 f"{expect.optimizer}; resume with the same optimizer or set checkpoint.resume = none")
         # DCP fills this rank's tensors of the strategy's state dict in place.
         tensors_sd = tensors.state_dict()
-        _dcp_load(tensors_sd, path)
+        load_in_place(tensors_sd, path)
         tensors.load_state_dict(tensors_sd)
         rng_file = path / "rng" / f"rank_{_rank()}.pt"
         if state.world_size == (dist.get_world_size() if dist.is_initialized() else 1) and rng_file.is_file():
@@ -193,11 +193,11 @@ def load_model_weights(path: Path, model: nn.Module) -> None:
     """Load only the model weights of a checkpoint into a plain single-device model."""
     check_checkpoint(path)
     state = {"model": model.state_dict()}
-    _dcp_load(state, path)
+    load_in_place(state, path)
     model.load_state_dict(state["model"])
 
 
-def _dcp_load(state: dict[str, Any], path: Path) -> None:
+def load_in_place(state: dict[str, Any], path: Path) -> None:
     """dcp.load in place, with any failure turned into one CheckpointError line."""
     try:
         dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
