@@ -35,7 +35,7 @@ def _train(argv: list[str]) -> int:
 
         ParallelDims.from_config(cfg, cfg.parallel.nproc)  # fail here, before starting workers
         return launch_local_workers(cfg.parallel.nproc, argv)
-    return run_worker(argv)
+    return run_worker(argv, cfg)
 
 
 def _generate(argv: list[str]) -> int:

@@ -57,15 +57,18 @@ def config_from_argv(argv: list[str]) -> Config:
     return load_config(path, to_overrides(ds) + overrides)
 
 
-def run_worker(argv: list[str]) -> int:
-    """Train as one rank of the job the environment describes; returns an exit code."""
+def run_worker(argv: list[str], cfg: Config | None = None) -> int:
+    """Train as one rank of the job the environment describes; returns an exit code.
+
+    `cfg`, when the caller already parsed `argv`, saves parsing (and warning) twice.
+    """
     from polytrain.train.trainer import Trainer, summary_lines
 
     rank = int(os.environ.get("RANK", "0"))
     # Rank 0 tells what it is doing (e.g. tokenizing the corpus once); the others stay quiet.
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     try:
-        trainer = Trainer(config_from_argv(argv))
+        trainer = Trainer(cfg or config_from_argv(argv))
         summary = trainer.train()
     except PolytrainError as e:
         if rank == 0:
