@@ -456,6 +456,13 @@ def _zero(r: _Reader) -> tuple[int, str, str, str | None, int | None]:
             f"{z}.offload_optimizer.nvme_path and {z}.offload_param.nvme_path differ; "
             "polytrain swaps both to one directory: make them equal"
         )
+    # polytrain's own limits, checked after DeepSpeed's rules so the message fits the file.
+    if param_dev != "none":
+        raise ConfigError(f"{z}.offload_param (parameter offload) is not supported by polytrain yet; "
+                          f"remove it (optimizer offload works with stage 1 or 2)")
+    if opt_dev != "none" and stage == 3:
+        raise ConfigError(f"{z}.offload_optimizer with stage 3 is not supported by polytrain yet; "
+                          f'use stage 1 or 2 with device "cpu"')
     bucket = r.integer(f"{z}.reduce_bucket_size", None, lo=1)
     return stage, opt_dev, param_dev, paths.pop() if paths else None, bucket
 

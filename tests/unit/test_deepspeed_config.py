@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 from types import SimpleNamespace
 
@@ -535,26 +536,23 @@ def test_bf16_fp32_and_the_fp16_bf16_contradiction():
 
 
 def test_zero_stage_and_offload_devices_map():
-    ds = load(
-        {
-            "train_batch_size": 8,
-            "zero_optimization": {
-                "stage": 3,
-                "offload_optimizer": {"device": "cpu"},
-                "offload_param": {"device": "nvme", "nvme_path": "/nvme"},
-            },
-        }
-    )
+    ds = load({"train_batch_size": 8, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
     over = pairs(to_overrides(ds))
-    assert (
-        over["parallel.zero"],
-        over["parallel.offload"],
-        over["parallel.offload_param"],
-        over["parallel.nvme_path"],
-    ) == ("3", "cpu", "nvme", "/nvme")
+    assert (over["parallel.zero"], over["parallel.offload"]) == ("2", "cpu")
     over = pairs(to_overrides(load({"train_batch_size": 8, "zero_optimization": {"stage": 2}})))
     assert (over["parallel.zero"], over["parallel.offload"]) == ("2", "none")
     assert "parallel.offload_param" not in over and "parallel.nvme_path" not in over
+
+
+@pytest.mark.parametrize("zero, message", [
+    ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}},
+     "zero_optimization.offload_param (parameter offload) is not supported by polytrain yet"),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu"}},
+     "zero_optimization.offload_optimizer with stage 3 is not supported by polytrain yet"),
+])
+def test_offload_polytrain_cannot_do_yet(zero, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load({"train_batch_size": 8, "zero_optimization": zero})
 
 
 def test_reduce_bucket_size_in_elements_becomes_mebibytes_of_the_gradient_dtype():
@@ -627,7 +625,7 @@ def test_unsupported_keys_are_listed_once_sorted_and_nothing_else_warns():
     cfg = {
         "train_batch_size": 8,
         "zero_optimization": {
-            "stage": 3,
+            "stage": 2,
             "stage3_prefetch_bucket_size": 5e7,
             "overlap_comm": True,
             "offload_optimizer": {"device": "cpu", "pin_memory": True},
@@ -781,10 +779,7 @@ def test_emitted_keys_are_polytrain_keys_or_the_announced_new_ones():
         {
             "train_batch_size": 8,
             "optimizer": {"type": "SGD"},
-            "zero_optimization": {
-                "stage": 3,
-                "offload_param": {"device": "nvme", "nvme_path": "/n"},
-            },
+            "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
         }
     )
     emitted = set(pairs(to_overrides(ds))) | set(pairs(to_overrides(sgd)))
