@@ -546,8 +546,6 @@ def to_overrides(ds: DSConfig) -> list[str]:
         # DeepSpeed without a scheduler keeps the optimizer's lr: a cosine from lr to lr, no warmup.
         out |= {"train.lr_schedule": "cosine", "train.warmup_steps": 0, "train.min_lr": opt.lr}
     out |= {"parallel.zero": ds.zero_stage, "parallel.offload": ds.offload_optimizer}
-    if ds.offload_param != "none":
-        out["parallel.offload_param"] = ds.offload_param
     if ds.nvme_path:
         out["parallel.nvme_path"] = ds.nvme_path
     if ds.reduce_bucket_size:
