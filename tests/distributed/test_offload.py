@@ -11,7 +11,7 @@ import torch
 from polytrain.config import ConfigError, load_config
 from polytrain.distributed.topology import ParallelDims
 from tests.conftest import tiny_overrides
-from tests.distributed.test_parity import RTOL, assert_same_trajectory, train, train_rows
+from tests.distributed.test_parity import RTOL, assert_same_trajectory, rows_after, train, train_rows
 from tests.distributed.test_zero12 import (
     SMALL_BUCKET_MB,
     assert_same_weights,
@@ -135,14 +135,11 @@ def test_checkpoints_move_between_nvme_and_no_offload(small_corpus, tmp_path):
                                             *_offload(tmp_path, "nvme"))])
     train(twenty_steps(small_corpus, nvme_to_one))
 
-    def after_10(run_dir: Path) -> list[dict]:
-        return [r for r in train_rows(run_dir) if r["step"] > 10]
-
     assert [r["step"] for r in train_rows(nvme_to_plain)] == list(range(11, 21))
     assert_same_trajectory(train_rows(plain), train_rows(nvme), SAME_MATH, "nvme vs none, 20 steps")
-    assert_same_trajectory(after_10(nvme), train_rows(nvme_to_plain), SAME_MATH, "nvme -> none")
-    assert_same_trajectory(after_10(plain), train_rows(plain_to_nvme), SAME_MATH, "none zero2 -> nvme zero1")
-    assert_same_trajectory(after_10(nvme), train_rows(nvme_to_one), RTOL, "nvme 2 ranks -> 1 process")
+    assert_same_trajectory(rows_after(nvme, 10), train_rows(nvme_to_plain), SAME_MATH, "nvme -> none")
+    assert_same_trajectory(rows_after(plain, 10), train_rows(plain_to_nvme), SAME_MATH, "none zero2 -> nvme zero1")
+    assert_same_trajectory(rows_after(nvme, 10), train_rows(nvme_to_one), RTOL, "nvme 2 ranks -> 1 process")
     assert_same_weights(final_weights(plain), final_weights(plain_to_nvme), "none zero2 -> nvme zero1")
 
 

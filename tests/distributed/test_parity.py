@@ -22,6 +22,11 @@ def train_rows(run_dir: Path) -> list[dict]:
     return [r for r in read_rows(run_dir) if "loss" in r]
 
 
+def rows_after(run_dir: Path, step: int) -> list[dict]:
+    """Training rows logged after `step` (what a run resumed from that step should reproduce)."""
+    return [r for r in train_rows(run_dir) if r["step"] > step]
+
+
 def train(overrides: list[str]) -> dict:
     from polytrain.config import load_config
     from polytrain.train.trainer import Trainer

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_overrides
-from tests.distributed.test_parity import RTOL, assert_same_trajectory, train, train_rows
+from tests.distributed.test_parity import RTOL, assert_same_trajectory, rows_after, train, train_rows
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -162,10 +162,7 @@ def test_checkpoints_move_between_zero12_and_one_process(small_corpus, tmp_path)
     resume_from_step_10(zero2, zero2_to_single)
     train(twenty_steps(small_corpus, zero2_to_single))
 
-    def after_10(run_dir: Path) -> list[dict]:
-        return [r for r in train_rows(run_dir) if r["step"] > 10]
-
     assert [r["step"] for r in train_rows(zero2_to_single)] == list(range(11, 21))
-    assert_same_trajectory(after_10(zero2), train_rows(zero2_to_single), RTOL, "zero2 2 ranks -> 1 rank")
-    assert_same_trajectory(after_10(single), train_rows(single_to_zero1), RTOL, "1 rank -> zero1 2 ranks")
+    assert_same_trajectory(rows_after(zero2, 10), train_rows(zero2_to_single), RTOL, "zero2 2 ranks -> 1 rank")
+    assert_same_trajectory(rows_after(single, 10), train_rows(single_to_zero1), RTOL, "1 rank -> zero1 2 ranks")
     assert_same_weights(final_weights(single), final_weights(single_to_zero1), "1 rank -> zero1 2 ranks")

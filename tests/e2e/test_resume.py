@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tiny_overrides
-from tests.distributed.test_parity import assert_same_trajectory, train, train_rows
+from tests.distributed.test_parity import assert_same_trajectory, rows_after, train, train_rows
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -30,7 +30,7 @@ def test_resume_continues_the_same_losses(small_corpus, tmp_path):
     resume_from_step_10(straight, resumed)
     summary = train(twenty_steps(small_corpus, resumed))
     assert summary["step"] == 20
-    expected = [r for r in train_rows(straight) if r["step"] > 10]
+    expected = rows_after(straight, 10)
     got = train_rows(resumed)
     assert [r["step"] for r in got] == list(range(11, 21))  # no row before the resume point
     assert_same_trajectory(expected, got, 1e-6, "resumed run")
@@ -45,6 +45,6 @@ def test_zero3_checkpoint_from_two_ranks_resumes_on_one(small_corpus, tmp_path):
     run_ranks(2, _train, twenty_steps(small_corpus, straight, "--parallel.zero", "3"))
     resume_from_step_10(straight, resumed)
     train(twenty_steps(small_corpus, resumed))
-    expected = [r for r in train_rows(straight) if r["step"] > 10]
+    expected = rows_after(straight, 10)
     # Another layout sums in another order: the parity tolerance, not bitwise equality.
     assert_same_trajectory(expected, train_rows(resumed), 1e-5, "zero3 2 ranks -> 1 rank")
