@@ -136,8 +136,8 @@ class TrainConfig:
     """ds_* schedules: learning rate at the start of the warmup."""
     schedule_steps: int = 0
     """ds_warmup_decay / ds_warmup_cosine: step where the decay ends (0 = run.steps)."""
-    activation_checkpoint: str = _choices("none", "full")
-    """Recompute each block's activations in the backward pass to save memory."""
+    activation_checkpoint: str = _choices("none", "full", "selective")
+    """Recompute activations in backward to save memory: full = each block, selective = the attention core."""
 
 
 @dataclass
@@ -156,6 +156,24 @@ class ParallelConfig:
     """ZeRO-1/2 masters and optimizer state: on the accelerator (none), in host memory (cpu) or in files (nvme)."""
     nvme_path: str = ""
     """Directory of offload = nvme's memory-mapped state files; empty = <run dir>/offload (a temp dir if unknown)."""
+    tp: int = 1
+    """Tensor-parallel degree: each layer's weights are split over this many consecutive ranks."""
+    tp_mode: str = _choices("1d", "2d", "2.5d", "3d")
+    """Tensor-parallel scheme: 1d = Megatron's column/row split; 2d, 2.5d, 3d = Colossal-AI's grids."""
+    tp_depth: int = 1
+    """2.5d only: depth d of the q x q x d grid (tp = q * q * d)."""
+    sp: bool = False
+    """Megatron sequence parallelism (needs tp > 1): norms and residuals split along the sequence."""
+    pp: int = 1
+    """Pipeline-parallel degree: the layers are split into this many stages on different ranks."""
+    pp_schedule: str = _choices("1f1b", "gpipe", "interleaved", "zero_bubble")
+    """Pipeline schedule; interleaved and zero_bubble run pp_virtual_stages stages per rank."""
+    pp_microbatches: int = 0
+    """Micro-batches per pipeline run; 0 = all of this rank's micro-batches of the step in one run."""
+    pp_virtual_stages: int = 2
+    """interleaved / zero_bubble: model chunks (virtual stages) each pipeline rank holds."""
+    pp_split: str = ""
+    """Module names that start stages 2.. (e.g. "layers.2,layers.4"); empty = balanced by layer count."""
 
 
 @dataclass

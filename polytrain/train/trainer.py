@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from polytrain.backend import get_accelerator
-from polytrain.config import Config, to_toml
+from polytrain.config import Config, ConfigError, to_toml
 from polytrain.data import GlobalBatchSampler, TokenDataset, prepare_corpus, val_batches
 from polytrain.distributed.activation_checkpoint import apply_activation_checkpointing
 from polytrain.distributed.data_parallel import build_data_parallel
@@ -115,6 +115,8 @@ class Trainer:
 
     def _build_model(self) -> torch.nn.Module:
         """Meta-device model -> activation checkpointing -> data parallel -> real weights."""
+        if self.dims.tp > 1 or self.dims.pp > 1:
+            raise ConfigError("parallel.tp and parallel.pp > 1 are not implemented yet")
         with torch.device("meta"):
             model = ARCHITECTURES[self.cfg.model.arch].build(self.cfg.model)
         apply_activation_checkpointing(model, self.cfg.train.activation_checkpoint)
@@ -304,7 +306,9 @@ class Trainer:
     def describe(self) -> str:
         """Two lines on what this run is: model, layout, device, batch."""
         m, t, d = self.cfg.model, self.cfg.train, self.dims
-        layout = f"{d.world_size} process(es): dp {d.dp}" + (
+        layout = f"{d.world_size} process(es): " + "".join(
+            f"{name} {n} x " for name, n in (("pp", d.pp), ("tp", d.tp)) if n > 1) + f"dp {d.dp}" + (
+            " (sequence parallel)" if d.sp else "") + (
             f", ZeRO-{d.zero} over {d.dp_shard}" if d.zero else "") + (
             f" (x{d.dp_replicate} replicas)" if d.zero == 3 else "")
         return (f"model {m.arch} {m.size}: {self.model.num_params() / 1e6:.1f}M parameters | {layout} | "

@@ -51,6 +51,16 @@ class Attention(nn.Module):
             # DTensor sharding rule supports that flag.
             k = k.repeat_interleave(n_rep, dim=1)  # (B, H, S, D)
             v = v.repeat_interleave(n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1)
+        out = self.core(q, k, v, mask)
         out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * D)
         return self.wo(out)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             mask: torch.Tensor | None) -> torch.Tensor:
+        """softmax(q k^T / sqrt(D)) v: q (B, H, T, D), k and v (B, H, S, D) -> (B, H, T, D).
+
+        Its own method so selective activation checkpointing can recompute just this
+        part, whose saved activations grow with T * S.
+        """
+        causal = mask is None and q.shape[2] > 1
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
