@@ -63,6 +63,7 @@ class Trainer:
         self.tokenizer = self.corpus.tokenizer
         self.dp = build_data_parallel(self.dims, self.mesh, cfg.parallel, run_dir=self.run_dir)
         self.model = self._build_model()
+        self.loss_fn = causal_lm_loss
         # The optimizer whose param_groups carry the learning rate (ZeRO: the one over master shards).
         self.optimizer = self.dp.build_optimizer(self.model, cfg.train)
         seq_len = cfg.data.seq_len
@@ -178,7 +179,7 @@ class Trainer:
         targets = targets.to(self.device, non_blocking=True)
         with self.acc.autocast(self.autocast_dtype):
             logits = self.model(inputs)  # (B, T, V)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return self.loss_fn(logits, targets)
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the global batch; returns the step's loss, grad norm and lr."""
@@ -322,6 +323,11 @@ class Trainer:
         if not peak:
             return None
         return tokens_per_s * self.flops_per_token / (peak * self.world.world_size)
+
+
+def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy: logits (B, T, V), targets (B, T) -> scalar, computed in fp32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:
