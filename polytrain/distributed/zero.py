@@ -130,13 +130,19 @@ def plan_buckets(named: list[tuple[str, nn.Parameter]], bucket_bytes: int, dp: i
 
 
 def split_into_pieces(flat: torch.Tensor, pieces: torch.Tensor) -> None:
-    """Copy a full flattened tensor (N,) into its padded per-rank pieces (dp, piece); padding untouched."""
+    """Copy a full flattened tensor (N,) into its per-rank pieces (dp, piece) and zero their padding.
+
+    Writing every element lets the caller hand in uninitialised memory: zero-filling a
+    whole (dp, S) send buffer first would cost one more pass over it per reduction.
+    """
     piece = pieces.shape[1]
     full = flat.numel() // piece
     pieces[:full].copy_(flat[: full * piece].view(full, piece))
     if full < pieces.shape[0]:
         rest = flat.numel() - full * piece
         pieces[full, :rest].copy_(flat[full * piece:])
+        pieces[full, rest:].zero_()
+        pieces[full + 1:].zero_()
 
 
 def join_pieces(pieces: torch.Tensor, flat: torch.Tensor) -> None:
@@ -280,10 +286,13 @@ class ZeroDataParallel:
     @torch.no_grad()
     def _launch(self, bucket: Bucket) -> None:
         """Start the bucket's reduce-scatter and free its full gradients."""
-        send = torch.zeros(self.size, bucket.size, dtype=bucket.grad.dtype, device=self.device)  # (dp, S)
+        send = torch.empty(self.size, bucket.size, dtype=bucket.grad.dtype, device=self.device)  # (dp, S)
         for slot in bucket.slots:
-            if slot.param.grad is not None:
-                split_into_pieces(slot.param.grad.reshape(-1), send[:, slot.offset:slot.offset + slot.piece])
+            pieces = send[:, slot.offset:slot.offset + slot.piece]  # (dp, piece)
+            if slot.param.grad is None:  # unused in this backward: contributes zeros
+                pieces.zero_()
+            else:
+                split_into_pieces(slot.param.grad.reshape(-1), pieces)
                 slot.param.grad = None
         # (S,) the sum of every rank's pieces for this rank
         recv = torch.empty(bucket.size, dtype=bucket.grad.dtype, device=self.device)
