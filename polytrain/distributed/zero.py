@@ -51,6 +51,7 @@ from polytrain.backend import get_accelerator
 from polytrain.config import TrainConfig
 from polytrain.distributed.offload import ShardStore, fresh_state, state_names
 from polytrain.optim.builder import make_optimizer, param_groups
+from polytrain.optim.clip import clip_coefficient, sharded_grad_norm
 
 # Collectives allowed in flight at once: enough to overlap with compute, while the
 # transient send/receive buffers stay at about two buckets.
@@ -340,15 +341,9 @@ class ZeroDataParallel:
         """Scale the gradient shards so their global norm is at most `max_norm`; return the norm before."""
         self._flush()
         self._reducing = True
-        # Per-parameter norms first, as torch's clip_grad_norm_ does: one fp32 norm over a
-        # whole bucket loses ~1e-6 relative accuracy.
-        total = torch.stack([torch.linalg.vector_norm(g) for _, g in self._master_grads]).square().sum()
-        total = total.to(self.device)  # collectives run on the accelerator
-        if self.group is not None:
-            dist.all_reduce(total, group=self.group)
-        norm = total.sqrt()
+        norm = sharded_grad_norm([g for _, g in self._master_grads], self.group, self.device)
         if math.isfinite(max_norm):
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            coef = clip_coefficient(norm, max_norm)
             for bucket in self.buckets:
                 bucket.grad.mul_(coef.to(bucket.grad.device))
         return norm.item()
