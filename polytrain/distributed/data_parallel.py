@@ -97,9 +97,12 @@ class FSDP2DataParallel:
             return model
         dp_mesh = self.mesh["dp_replicate", "dp_shard"]
         # Re-gathering after forward is what saves ZeRO-3 its memory; with full
-        # replicas there is nothing to free.
-        reshard = self.dims.zero == 3
-        for block in model.layers.values():
+        # replicas there is nothing to free. The last block is the exception: backward
+        # starts with it, so freeing it would only cost one more all-gather at once;
+        # keeping it costs one block's full parameters during the loss computation.
+        blocks = list(model.layers.values())
+        for i, block in enumerate(blocks):
+            reshard = self.dims.zero == 3 and i < len(blocks) - 1
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
         # The root's parameters (embedding, head) are needed again right at the start
         # of backward, so they stay gathered after forward.
