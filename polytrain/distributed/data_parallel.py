@@ -41,6 +41,7 @@ from polytrain.distributed.offload import ShardStore
 from polytrain.distributed.topology import ParallelDims
 from polytrain.distributed.zero import ZeroDataParallel
 from polytrain.optim.builder import build_optimizer
+from polytrain.optim.clip import clip_coefficient, sharded_grad_norm
 
 
 class DataParallel(Protocol):
@@ -96,9 +97,12 @@ class FSDP2DataParallel:
             return model
         dp_mesh = self.mesh["dp_replicate", "dp_shard"]
         # Re-gathering after forward is what saves ZeRO-3 its memory; with full
-        # replicas there is nothing to free.
-        reshard = self.dims.zero == 3
-        for block in model.layers.values():
+        # replicas there is nothing to free. The last block is the exception: backward
+        # starts with it, so freeing it would only cost one more all-gather at once;
+        # keeping it costs one block's full parameters during the loss computation.
+        blocks = list(model.layers.values())
+        for i, block in enumerate(blocks):
+            reshard = self.dims.zero == 3 and i < len(blocks) - 1
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
         # The root's parameters (embedding, head) are needed again right at the start
         # of backward, so they stay gathered after forward.
@@ -124,10 +128,19 @@ class FSDP2DataParallel:
         """This rank's gradients (DTensor shards or replicas when dp > 1)."""
         return [p.grad for p in self.model.parameters() if p.grad is not None]
 
+    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if hasattr(norm, "full_tensor"):  # a DTensor when parameters are sharded
-            norm = norm.full_tensor()
+        """Scale the gradients so their global norm is at most `max_norm`; return the norm before."""
+        if self.dims.dp == 1:
+            return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
+        # The gradients are DTensors: Shard(0) over dp_shard, replicated over dp_replicate.
+        # Their local pieces are disjoint over dp_shard, so the norm sums squares over that axis.
+        local = [p.grad.to_local() for p in self.model.parameters() if p.grad is not None]
+        group = self.mesh["dp_shard"].get_group() if self.dims.dp_shard > 1 else None
+        norm = sharded_grad_norm(local, group, next(self.model.parameters()).device)
+        coef = clip_coefficient(norm, max_norm)
+        for grad in local:
+            grad.mul_(coef)
         return norm.item()
 
     def step(self) -> None:

@@ -13,11 +13,13 @@ and backward on it. What is sharded over the dp ranks:
 
 Layout. Each parameter of shape (d0, ...) is cut along dim 0 into dp pieces the
 way `torch.chunk` cuts it: c = ceil(d0 / dp) rows per piece, rank r owns rows
-[r*c, min((r+1)*c, d0)) (possibly none). That is exactly DTensor's `Shard(0)`, so
-each rank's master shard is a `Shard(0)` DTensor, the inner optimizer steps only
-local rows, and its state is made of `Shard(0)` DTensors that Distributed
-Checkpoint reshards to any other layout. For the collectives every piece is
-padded to c rows, and the parameters of one bucket are laid out per rank:
+[r*c, min((r+1)*c, d0)) (possibly none). That is exactly DTensor's `Shard(0)`. The
+inner optimizer steps plain tensors holding only the local rows (through DTensors
+it would pay a dispatch per op and tensor, as much as the arithmetic itself on a
+small model); `state_dict()` presents the masters and the optimizer state as
+`Shard(0)` DTensors over the same storage, which Distributed Checkpoint reshards to
+any other layout. For the collectives every piece is padded to c rows, and the
+parameters of one bucket are laid out per rank:
 
     send buffer (dp, S)   row r = [piece r of p0 | piece r of p1 | ...]   (full gradients)
     master, grad (S,)     this rank's [piece of p0 | piece of p1 | ...]  (padding stays zero)
@@ -49,6 +51,7 @@ from polytrain.backend import get_accelerator
 from polytrain.config import TrainConfig
 from polytrain.distributed.offload import ShardStore, fresh_state, state_names
 from polytrain.optim.builder import make_optimizer, param_groups
+from polytrain.optim.clip import clip_coefficient, sharded_grad_norm
 
 # Collectives allowed in flight at once: enough to overlap with compute, while the
 # transient send/receive buffers stay at about two buckets.
@@ -128,13 +131,19 @@ def plan_buckets(named: list[tuple[str, nn.Parameter]], bucket_bytes: int, dp: i
 
 
 def split_into_pieces(flat: torch.Tensor, pieces: torch.Tensor) -> None:
-    """Copy a full flattened tensor (N,) into its padded per-rank pieces (dp, piece); padding untouched."""
+    """Copy a full flattened tensor (N,) into its per-rank pieces (dp, piece) and zero their padding.
+
+    Writing every element lets the caller hand in uninitialised memory: zero-filling a
+    whole (dp, S) send buffer first would cost one more pass over it per reduction.
+    """
     piece = pieces.shape[1]
     full = flat.numel() // piece
     pieces[:full].copy_(flat[: full * piece].view(full, piece))
     if full < pieces.shape[0]:
         rest = flat.numel() - full * piece
         pieces[full, :rest].copy_(flat[full * piece:])
+        pieces[full, rest:].zero_()
+        pieces[full + 1:].zero_()
 
 
 def join_pieces(pieces: torch.Tensor, flat: torch.Tensor) -> None:
@@ -153,10 +162,10 @@ class ZeroDataParallel:
     Where things live (what mixed precision would swap; `store` decides the device):
     - `buckets[i].master` / `.grad`: flat fp32 buffers (S,) with this rank's master
       and reduced-gradient shards of the bucket's parameters;
-    - `masters`: FQN -> `Shard(0)` DTensor parameter viewing its rows of a `master` buffer
-      (its `.grad` views the `grad` buffer);
+    - `masters`: FQN -> plain parameter (rows, ...) viewing this rank's rows of a `master`
+      buffer (its `.grad` views the `grad` buffer);
     - `optimizer`: the inner torch optimizer over `masters`; `optimizer.state` holds
-      the sharded optimizer state.
+      the sharded optimizer state, plain local tensors shaped like the masters.
     """
 
     def __init__(self, mesh: DeviceMesh | None, stage: int, bucket_bytes: int,
@@ -175,8 +184,8 @@ class ZeroDataParallel:
         self.buckets: list[Bucket] = []
         self.masters: dict[str, nn.Parameter] = {}
         self.comm = CommCounts()
-        self._master_grads: list[tuple[nn.Parameter, DTensor]] = []
-        self._grad_shards: list[torch.Tensor] = []  # the local rows of each master's gradient
+        self._master_grads: list[tuple[nn.Parameter, torch.Tensor]] = []  # (rows, ...) each
+        self._slot_of: dict[str, Slot] = {}
         self._bucket_of: dict[int, Bucket] = {}
         self._pending: list[tuple[dist.Work | None, torch.Tensor, Bucket, torch.Tensor]] = []
         # Whether gradients produced by backward now are reduced at once (always in
@@ -206,7 +215,7 @@ class ZeroDataParallel:
                 master, grad = self._shard_views(bucket, slot)
                 by_fqn[slot.fqn] = by_param[id(slot.param)] = master
                 self._master_grads.append((master, grad))
-                self._grad_shards.append(self._rows(bucket.grad, slot))
+                self._slot_of[slot.fqn] = slot
                 self._bucket_of[id(slot.param)] = bucket
                 # Kept to remove in close(): the hook is a bound method held by autograd's
                 # C++ side, a cycle the garbage collector cannot see, which would keep the
@@ -226,13 +235,12 @@ class ZeroDataParallel:
         return flat[slot.offset:slot.offset + slot.rows * slot.row].view(slot.rows, *slot.param.shape[1:])
 
     @torch.no_grad()
-    def _shard_views(self, bucket: Bucket, slot: Slot) -> tuple[nn.Parameter, DTensor]:
-        """This rank's master (filled from the compute parameter) and gradient shard of one parameter."""
+    def _shard_views(self, bucket: Bucket, slot: Slot) -> tuple[nn.Parameter, torch.Tensor]:
+        """This rank's master (filled from the compute parameter) and gradient rows of one parameter."""
         start = shard_rows(slot.param.shape[0], self.size, self.rank)[0]
-        master_local = self._rows(bucket.master, slot)  # (rows, ...)
-        master_local.copy_(slot.param[start:start + slot.rows])
-        return (nn.Parameter(self._as_dtensor(master_local, slot.param)),
-                self._as_dtensor(self._rows(bucket.grad, slot), slot.param))
+        master = self._rows(bucket.master, slot)  # (rows, ...)
+        master.copy_(slot.param[start:start + slot.rows])
+        return nn.Parameter(master), self._rows(bucket.grad, slot)
 
     def _map_optimizer_state(self) -> None:
         """Give the inner optimizer state that views memory-mapped files, one per bucket and state tensor."""
@@ -240,8 +248,7 @@ class ZeroDataParallel:
         for index, bucket in enumerate(self.buckets):
             files = {name: self.store.state(index, name, bucket.size) for name in names}  # (S,) each
             for slot in bucket.slots:
-                views = {name: self._as_dtensor(self._rows(flat, slot), slot.param)
-                         for name, flat in files.items()}
+                views = {name: self._rows(flat, slot) for name, flat in files.items()}
                 self.optimizer.state[self.masters[slot.fqn]] = fresh_state(self.optimizer, views)
 
     def _as_dtensor(self, local: torch.Tensor, like: torch.Tensor) -> DTensor | torch.Tensor:
@@ -280,10 +287,13 @@ class ZeroDataParallel:
     @torch.no_grad()
     def _launch(self, bucket: Bucket) -> None:
         """Start the bucket's reduce-scatter and free its full gradients."""
-        send = torch.zeros(self.size, bucket.size, dtype=bucket.grad.dtype, device=self.device)  # (dp, S)
+        send = torch.empty(self.size, bucket.size, dtype=bucket.grad.dtype, device=self.device)  # (dp, S)
         for slot in bucket.slots:
-            if slot.param.grad is not None:
-                split_into_pieces(slot.param.grad.reshape(-1), send[:, slot.offset:slot.offset + slot.piece])
+            pieces = send[:, slot.offset:slot.offset + slot.piece]  # (dp, piece)
+            if slot.param.grad is None:  # unused in this backward: contributes zeros
+                pieces.zero_()
+            else:
+                split_into_pieces(slot.param.grad.reshape(-1), pieces)
                 slot.param.grad = None
         # (S,) the sum of every rank's pieces for this rank
         recv = torch.empty(bucket.size, dtype=bucket.grad.dtype, device=self.device)
@@ -331,15 +341,9 @@ class ZeroDataParallel:
         """Scale the gradient shards so their global norm is at most `max_norm`; return the norm before."""
         self._flush()
         self._reducing = True
-        # Per-parameter norms first, as torch's clip_grad_norm_ does: one fp32 norm over a
-        # whole bucket loses ~1e-6 relative accuracy.
-        total = torch.stack([torch.linalg.vector_norm(g) for g in self._grad_shards]).square().sum()
-        total = total.to(self.device)  # collectives run on the accelerator
-        if self.group is not None:
-            dist.all_reduce(total, group=self.group)
-        norm = total.sqrt()
+        norm = sharded_grad_norm([g for _, g in self._master_grads], self.group, self.device)
         if math.isfinite(max_norm):
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            coef = clip_coefficient(norm, max_norm)
             for bucket in self.buckets:
                 bucket.grad.mul_(coef.to(bucket.grad.device))
         return norm.item()
@@ -396,16 +400,27 @@ class ZeroDataParallel:
         or FSDP runs, so Distributed Checkpoint moves state between the layouts. The model
         entry is the fp32 masters (the values the optimizer updates), one `Shard(0)` piece
         per rank; a tied parameter appears under each of its names, as in `model.state_dict()`.
+        The optimizer state's tensors shaped like the masters become `Shard(0)` DTensors
+        too; scalars ("step") stay as torch keeps them. Every DTensor shares storage with
+        the local tensor it wraps, so loading into this dict in place loads this rank.
         """
         self._init_optimizer_state()
-        by_param = {id(slot.param): self.masters[slot.fqn] for b in self.buckets for slot in b.slots}
+        sharded = {fqn: self._as_dtensor(master, self._slot_of[fqn].param)
+                   for fqn, master in self.masters.items()}
+        by_param = {id(self._slot_of[fqn].param): t for fqn, t in sharded.items()}
         model_sd = {name: by_param.get(id(t), t) for name, t in self.model.state_dict(keep_vars=True).items()}
         fqn_of = {id(master): fqn for fqn, master in self.masters.items()}
         groups = self.optimizer.param_groups
-        state = {fqn_of[id(m)]: dict(self.optimizer.state[m]) for g in groups for m in g["params"]}
+        state = {fqn_of[id(m)]: self._sharded_state(fqn_of[id(m)]) for g in groups for m in g["params"]}
         saved_groups = [{**{k: v for k, v in g.items() if k != "params"},
                          "params": [fqn_of[id(m)] for m in g["params"]]} for g in groups]
         return {"model": model_sd, "optim": {"state": state, "param_groups": saved_groups}}
+
+    def _sharded_state(self, fqn: str) -> dict:
+        """One master's optimizer state with its per-element tensors (rows, ...) as `Shard(0)` DTensors."""
+        master, like = self.masters[fqn], self._slot_of[fqn].param
+        return {key: self._as_dtensor(value, like) if _per_element(value, master) else value
+                for key, value in self.optimizer.state[master].items()}
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
@@ -449,7 +464,15 @@ class ZeroDataParallel:
         self.store.close()
 
 
+def _per_element(value, master: torch.Tensor) -> bool:
+    """Whether an optimizer-state entry holds one value per element of `master` (e.g. exp_avg, not step)."""
+    return isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape == master.shape
+
+
 def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
-    # Distributed Checkpoint loads in place, so usually `value` is `target` already.
-    if value is not target:
+    """Copy `value` (a tensor or this rank's `Shard(0)` DTensor of it) into the local `target`."""
+    if isinstance(value, DTensor):
+        value = value.to_local()
+    # Distributed Checkpoint loads in place, so usually `value` already is `target`'s storage.
+    if value.data_ptr() != target.data_ptr() or value.shape != target.shape:
         target.copy_(value)

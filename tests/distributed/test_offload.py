@@ -92,8 +92,8 @@ def _nvme_probe(rank: int, world_size: int, corpus: Path, run_dir: Path) -> dict
             memory = plain.dp.optimizer.state[plain.dp.masters[slot.fqn]]
             assert state["step"].item() == memory["step"].item() == 1
             for kind in ("exp_avg", "exp_avg_sq"):
-                assert torch.equal(on_disk[kind][span], state[kind].to_local().flatten()), (slot.fqn, kind)
-                assert torch.equal(on_disk[kind][span], memory[kind].to_local().flatten()), (slot.fqn, kind)
+                assert torch.equal(on_disk[kind][span], state[kind].flatten()), (slot.fqn, kind)
+                assert torch.equal(on_disk[kind][span], memory[kind].flatten()), (slot.fqn, kind)
                 checked += bool(on_disk[kind][span].any())
     out = {"dir": str(files[0].parent), "names": [f.name for f in files], "expected_names": sorted(names),
            "sizes": {f.name: f.stat().st_size for f in files}, "bucket_sizes": [b.size for b in zero.buckets],

@@ -103,8 +103,8 @@ def _memory_probe(rank: int, world_size: int, corpus: Path, run_dir: Path) -> di
                                           train__global_batch_size=16))
         trainer.train_step()  # creates the optimizer state
         state = [t for s in trainer.optimizer.state.values() for k, t in s.items() if k != "step"]
-        local = {"state": sum(t.to_local().numel() for t in state),
-                 "masters": sum(m.to_local().numel() for m in trainer.dp.masters.values()),
+        local = {"state": sum(t.numel() for t in state),  # local shards: plain tensors
+                 "masters": sum(m.numel() for m in trainer.dp.masters.values()),
                  "numel": sum(p.numel() for p in trainer.model.parameters()),
                  "tensors": len(list(trainer.model.parameters()))}
         indices = trainer.sampler.next_batch()[:2]

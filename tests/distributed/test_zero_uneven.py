@@ -104,8 +104,7 @@ def _run(rank: int, world_size: int, stage: int, ckpt_dir: Path) -> None:
     for other, other_zero in ((again_model, again), (copied_model, copied)):
         for (name, p), q in zip(other.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=name)
-        for fqn, master in other_zero.masters.items():
-            state = other_zero.optimizer.state[master]
+        for fqn, state in other_zero.state_dict()["optim"]["state"].items():
             torch.testing.assert_close(state["exp_avg"].full_tensor(), ref_state[fqn]["exp_avg"],
                                        rtol=1e-5, atol=1e-9)
             assert state["step"].item() == STEPS

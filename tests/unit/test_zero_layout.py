@@ -20,17 +20,17 @@ def test_shard_rows_are_torch_chunk(d0, dp):
 
 
 @pytest.mark.parametrize("shape, dp", [((5, 3), 4), ((7,), 2), ((2, 5), 4), ((8, 2), 4)])
-def test_pieces_round_trip_with_zero_padding(shape, dp):
+def test_pieces_round_trip_and_padding_is_zeroed(shape, dp):
     full = torch.arange(1, 1 + torch.Size(shape).numel(), dtype=torch.float32)
     per = -(-shape[0] // dp) * (full.numel() // shape[0])  # ceil(d0 / dp) rows
-    pieces = torch.zeros(dp, per)  # (dp, piece)
+    pieces = torch.full((dp, per), float("nan"))  # (dp, piece); uninitialised memory may hold anything
     split_into_pieces(full, pieces)
     for rank in range(dp):
         start, rows = shard_rows(shape[0], dp, rank)
         row = full.numel() // shape[0]
         own = pieces[rank, : rows * row]
         assert torch.equal(own, full[start * row:(start + rows) * row])
-        assert not pieces[rank, rows * row:].any()  # padding stays zero
+        assert not pieces[rank, rows * row:].any()  # padding is zeroed
     back = torch.empty_like(full)
     join_pieces(pieces, back)
     assert torch.equal(back, full)
