@@ -22,6 +22,10 @@ Two implementations:
   fp32 masters and optimizer state (stage 1), and gradients (stage 2); with
   `parallel.offload` those live and step on the host or in files (offload.py), also
   on a single rank.
+
+With pipeline parallelism (pp > 1) each of the rank's stages gets its own
+FSDP2DataParallel behind `PipelineDataParallel` (pipeline/chunks.py), which also
+reduces the gradient norm over the pipeline.
 """
 
 from __future__ import annotations
@@ -67,6 +71,10 @@ def build_data_parallel(dims: ParallelDims, mesh: DeviceMesh | None, cfg: Parall
     `run_dir` is where nvme offload's files go when `parallel.nvme_path` is empty
     (<run dir>/offload); without it, a fresh temp directory.
     """
+    if dims.pp > 1:  # ZeRO-1/2 are refused with pp at start-up (pipeline/plan.py)
+        from polytrain.distributed.pipeline.chunks import PipelineDataParallel
+
+        return PipelineDataParallel(lambda: FSDP2DataParallel(dims, mesh, pipelined=True), mesh["pp"])
     if dims.zero in (1, 2) and (dims.dp > 1 or cfg.offload != "none"):
         nvme_dir = cfg.nvme_path or (Path(run_dir) / "offload" if run_dir is not None else None)
         store = ShardStore(cfg.offload, nvme_dir, dist.get_rank() if dist.is_initialized() else 0)
@@ -77,10 +85,13 @@ def build_data_parallel(dims: ParallelDims, mesh: DeviceMesh | None, cfg: Parall
 
 
 class FSDP2DataParallel:
-    """zero = 0 (replicas) or 3 (sharded) through FSDP2; a plain model and optimizer when dp = 1."""
+    """zero = 0 (replicas) or 3 (sharded) through FSDP2; a plain model and optimizer when dp = 1.
 
-    def __init__(self, dims: ParallelDims, mesh: DeviceMesh | None):
-        self.dims, self.mesh = dims, mesh
+    `pipelined`: the module is a pipeline stage, run by a schedule over many micro-batches.
+    """
+
+    def __init__(self, dims: ParallelDims, mesh: DeviceMesh | None, pipelined: bool = False):
+        self.dims, self.mesh, self.pipelined = dims, mesh, pipelined
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
 
@@ -96,8 +107,12 @@ class FSDP2DataParallel:
             return model
         dp_mesh = self.mesh["dp_replicate", "dp_shard"]
         # Re-gathering after forward is what saves ZeRO-3 its memory; with full
-        # replicas there is nothing to free.
-        reshard = self.dims.zero == 3
+        # replicas there is nothing to free. A pipeline stage keeps its blocks gathered
+        # through the step (as torchtitan does): a schedule interleaves the forwards
+        # and backwards of many micro-batches, and zero-bubble's weight-gradient pass
+        # needs the gathered parameters its input-gradient pass saw. The stage is
+        # 1/pp of the model, and it is resharded after its last backward.
+        reshard = self.dims.zero == 3 and not self.pipelined
         for block in model.layers.values():
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
         # The root's parameters (embedding, head) are needed again right at the start
@@ -129,6 +144,23 @@ class FSDP2DataParallel:
         if hasattr(norm, "full_tensor"):  # a DTensor when parameters are sharded
             norm = norm.full_tensor()
         return norm.item()
+
+    def grad_norm(self) -> torch.Tensor:
+        """The 2-norm of this module's whole gradient (over all data-parallel shards), as a scalar tensor.
+
+        For callers that combine norms of several modules (pipeline stages) before clipping.
+        """
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return torch.zeros((), device=next(self.model.parameters()).device)
+        norm = torch.nn.utils.get_total_norm(grads)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply every gradient by `factor` (clipping by a norm computed elsewhere)."""
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
 
     def step(self) -> None:
         self.optimizer.step()
