@@ -142,7 +142,7 @@ def _split_stages(split: str, num_stages: int, n_layers: int, pp: int,
             if name not in position or name == units[0]:
                 raise ConfigError(
                     f"parallel.pp_split: '{name}' is not a module a stage can start at; "
-                    f"use layers.1..layers.{n_layers - 1}, norm or output")
+                    f"use one of layers.0..layers.{n_layers - 1}, norm, output")
         starts = [position[n] for n in names]
         if any(b <= a for a, b in zip(starts, starts[1:])):
             raise ConfigError(f"parallel.pp_split = '{split}' must name modules in forward order, each once")
@@ -157,14 +157,13 @@ def _check_microbatches(schedule: str, pp: int, m: int, configured: int) -> None
     if schedule == "1f1b" and m < pp:
         raise ConfigError(f"{key}: 1f1b needs at least parallel.pp = {pp} micro-batches per run; raise "
                           f"train.global_batch_size or parallel.pp_microbatches, or use pp_schedule = 'gpipe'")
-    if schedule in MULTI_STAGE_SCHEDULES:
-        # torch's looped schedules run rounds of pp micro-batches and need whole rounds.
+    if schedule == "interleaved":
+        # torch's interleaved 1F1B runs max(1, m // pp) rounds of equal size.
         rounds = max(1, m // pp)
         if m % rounds:
-            good = [k for k in range(1, 4 * pp + 1) if k % max(1, k // pp) == 0 and k >= pp]
-            raise ConfigError(f"{key}: the {schedule} schedule runs rounds of {pp} and needs a count that "
-                              f"splits into whole rounds (e.g. {', '.join(map(str, good[:6]))}); change "
-                              f"parallel.pp_microbatches or train.global_batch_size")
+            raise ConfigError(f"{key}: the {schedule} schedule runs {rounds} rounds of micro-batches and needs "
+                              f"a count they split evenly: fewer than {2 * pp} or a multiple of parallel.pp = "
+                              f"{pp}; change parallel.pp_microbatches or train.global_batch_size")
 
 
 def _divisors(n: int) -> list[int]:
