@@ -345,6 +345,10 @@ class Trainer:
             " (sequence parallel)" if d.sp else "") + (
             f", ZeRO-{d.zero} over {d.dp_shard}" if d.zero else "") + (
             f" (x{d.dp_replicate} replicas)" if d.zero == 3 else "")
+        if self.pipeline is not None:
+            plan = self.pipeline.plan
+            layout += (f" | pipeline {plan.schedule}: {plan.num_stages} stages, {plan.microbatches} "
+                       f"micro-batches x {plan.runs} run(s) per step")
         return (f"model {m.arch} {m.size}: {self.num_params / 1e6:.1f}M parameters | {layout} | "
                 f"{self.acc.describe()}\n"
                 f"global batch {t.global_batch_size} x {self.cfg.data.seq_len} tokens "

@@ -49,12 +49,12 @@ class PipelineRunner:
         self.stage_ids = sorted(self.modules)
         self.has_first = 0 in self.stage_ids
         self.has_last = plan.num_stages - 1 in self.stage_ids
-        stages = pipeline_stages({int(k): m for k, m in modules.items()}, plan, group, device,
-                                 micro_batch_size, seq_len, hidden_shape, logits_shape)
+        self.stages = pipeline_stages(self.modules, plan, group, device, micro_batch_size, seq_len,
+                                      hidden_shape, logits_shape)  # torch PipelineStages, by stage index
         cls = SCHEDULE_CLASSES[plan.schedule]
         # scale_grads=False: _stage_loss already divides by the step's micro-batch count,
         # which also stays right when a step takes several pipeline runs.
-        self.schedule = cls(stages if plan.stages_per_rank > 1 else stages[0],
+        self.schedule = cls(self.stages if plan.stages_per_rank > 1 else self.stages[0],
                             n_microbatches=plan.microbatches, loss_fn=self._stage_loss, scale_grads=False)
         self._loss: LossFn | None = None
         self._loss_weight = 1.0
