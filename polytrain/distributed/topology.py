@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from polytrain.config import Config, ConfigError
 from polytrain.distributed.offload import check_nvme_path
+from polytrain.distributed.pipeline.plan import plan_from_config
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 PIPELINE_SCHEDULES_WITH_CHUNKS = ("interleaved", "zero_bubble")
@@ -114,6 +115,7 @@ class ParallelDims:
                 f"train.micro_batch_size x dp = {t.micro_batch_size} x {dp} = {per_step}; "
                 f"set it to {' or '.join(map(str, options))}, or lower train.micro_batch_size"
             )
+        plan_from_config(cfg, dp)  # the pipeline keys against the model and batch
         return cls(world_size=world_size, dp_replicate=dp // shard, dp_shard=shard, zero=p.zero,
                    tp=p.tp, pp=p.pp, sp=p.sp)
 

@@ -26,6 +26,7 @@ from polytrain.data import GlobalBatchSampler, TokenDataset, prepare_corpus, val
 from polytrain.distributed.activation_checkpoint import apply_activation_checkpointing
 from polytrain.distributed.data_parallel import build_data_parallel
 from polytrain.distributed.materialize import materialize
+from polytrain.distributed.pipeline import PipelineRunner, plan_from_config, run_under, split_model
 from polytrain.distributed.topology import ParallelDims, dp_coordinates
 from polytrain.distributed.world import barrier, init_world, max_over_world, mean_over_world
 from polytrain.errors import TrainingDiverged
@@ -62,6 +63,9 @@ class Trainer:
         self.corpus = self._prepare_corpus()
         self.tokenizer = self.corpus.tokenizer
         self.dp = build_data_parallel(self.dims, self.mesh, cfg.parallel, run_dir=self.run_dir)
+        self.autocast_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
+                               "fp16": torch.float16}[cfg.train.precision]
+        self.pipeline: PipelineRunner | None = None  # set by _build_model when parallel.pp > 1
         self.model = self._build_model()
         self.loss_fn = causal_lm_loss
         # The optimizer whose param_groups carry the learning rate (ZeRO: the one over master shards).
@@ -80,9 +84,6 @@ class Trainer:
             self.dp_rank, self.dp_size,
         )
         self.tokens_per_step = cfg.train.global_batch_size * seq_len
-        self.flops_per_token = self.model.flops_per_token(seq_len)
-        self.autocast_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
-                               "fp16": torch.float16}[cfg.train.precision]
         self.scaler = self._loss_scaler()
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self._rng_state, self._set_rng_state)
         self.step = 0
@@ -115,14 +116,34 @@ class Trainer:
         return corpus
 
     def _build_model(self) -> torch.nn.Module:
-        """Meta-device model -> activation checkpointing -> data parallel -> real weights."""
-        if self.dims.tp > 1 or self.dims.pp > 1:
-            raise ConfigError("parallel.tp and parallel.pp > 1 are not implemented yet")
+        """Meta-device model -> pipeline stages -> activation checkpointing -> data parallel -> real weights.
+
+        Under pipeline parallelism the returned module is an nn.ModuleDict of this
+        rank's stages ({global stage index: pruned model}) and `self.pipeline` runs them.
+        """
+        if self.dims.tp > 1:
+            raise ConfigError("parallel.tp > 1 is not implemented yet")
+        cfg = self.cfg
         with torch.device("meta"):
-            model = ARCHITECTURES[self.cfg.model.arch].build(self.cfg.model)
-        apply_activation_checkpointing(model, self.cfg.train.activation_checkpoint)
-        model = self.dp.parallelize(model)
-        materialize(model, self.device, self.cfg.run.seed)
+            model = ARCHITECTURES[cfg.model.arch].build(cfg.model)
+        # Whole-model figures, whatever part of it this rank ends up holding.
+        self.num_params = model.num_params()
+        self.flops_per_token = model.flops_per_token(cfg.data.seq_len)
+        plan = plan_from_config(cfg, self.dims.dp)
+        pp_rank = self.mesh["pp"].get_local_rank() if plan else 0
+        stages = split_model(model, plan, pp_rank) if plan else {"": model}
+        for stage in stages.values():
+            apply_activation_checkpointing(stage, cfg.train.activation_checkpoint)
+        model = self.dp.parallelize(stages if plan else model)
+        for stage in stages.values():
+            materialize(stage, self.device, cfg.run.seed)
+        if plan:
+            for stage in stages.values():  # the schedule calls the stages; autocast goes with them
+                run_under(stage, lambda: self.acc.autocast(self.autocast_dtype))
+            mbs, seq, dim = cfg.train.micro_batch_size, cfg.data.seq_len, cfg.model.dim
+            self.pipeline = PipelineRunner(plan, stages, pp_rank, self.mesh["pp"].get_group(), self.device,
+                                           mbs, seq, hidden_shape=(mbs, seq, dim),
+                                           logits_shape=(mbs, seq, cfg.model.vocab_size))
         return model
 
     def _loss_scaler(self) -> LossScaler | None:
@@ -181,12 +202,12 @@ class Trainer:
             logits = self.model(inputs)  # (B, T, V)
         return self.loss_fn(logits, targets)
 
-    def train_step(self) -> dict[str, float]:
-        """One optimizer step over the global batch; returns the step's loss, grad norm and lr."""
-        self.model.train()
-        local = self.sampler.next_batch()  # this rank's global_batch / dp sample indices
-        mbs = self.cfg.train.micro_batch_size
-        micro_batches = [local[i:i + mbs] for i in range(0, len(local), mbs)]
+    def _forward_backward(self, micro_batches: list[list[int]]) -> float:
+        """Accumulate the gradients of the step's micro-batches; returns the step's mean loss (all ranks)."""
+        scale = self.scaler.scale_loss if self.scaler else None
+        if self.pipeline is not None:
+            loss_sum = self.pipeline.train_step(micro_batches, self.train_data, self.loss_fn, scale)
+            return self.pipeline.mean_loss(loss_sum)
         loss_sum = torch.zeros((), device=self.device)
         for i, indices in enumerate(micro_batches):
             self.dp.before_micro_batch(self.model, last=i == len(micro_batches) - 1)
@@ -194,9 +215,16 @@ class Trainer:
             # micro-batch means (and, after the data-parallel gradient average,
             # of the ranks' means) is the mean over the whole global batch.
             loss = self._loss(indices, self.train_data) / len(micro_batches)
-            (self.scaler.scale_loss(loss) if self.scaler else loss).backward()
+            (scale(loss) if scale else loss).backward()
             loss_sum += loss.detach()
-        loss_value = mean_over_world(loss_sum).item()
+        return mean_over_world(loss_sum).item()
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over the global batch; returns the step's loss, grad norm and lr."""
+        self.model.train()
+        local = self.sampler.next_batch()  # this rank's global_batch / dp sample indices
+        mbs = self.cfg.train.micro_batch_size
+        loss_value = self._forward_backward([local[i:i + mbs] for i in range(0, len(local), mbs)])
         stats = {"loss": loss_value}
         if self.scaler is not None:
             stats["loss_scale"] = self.scaler.scale
@@ -231,6 +259,8 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean validation loss over the fixed validation batches of all ranks."""
         self.model.eval()
+        if self.pipeline is not None:
+            return self.pipeline.evaluate(self.val_indices, self.val_data, self.loss_fn)
         total = torch.zeros((), device=self.device)
         for indices in self.val_indices:
             total += self._loss(indices, self.val_data)
@@ -291,7 +321,10 @@ class Trainer:
         last_val = self.evaluate()
         self.metrics.log({"step": self.step, "val_loss": last_val, "time": time.perf_counter() - start})
         checkpoint = self.save() if saved_step != self.step else latest_checkpoint(self.run_dir)
-        sample = self.sample() if cfg.run.sample_tokens > 0 else ""
+        sample = self.sample() if cfg.run.sample_tokens > 0 and self.pipeline is None else ""
+        if cfg.run.sample_tokens > 0 and self.pipeline is not None and main:
+            print("no text sample under pipeline parallelism (generation runs on one process): "
+                  f"polytrain generate {self.run_dir}", flush=True)
         if main:
             plot_loss(self.run_dir)
         self.close()
@@ -312,7 +345,11 @@ class Trainer:
             " (sequence parallel)" if d.sp else "") + (
             f", ZeRO-{d.zero} over {d.dp_shard}" if d.zero else "") + (
             f" (x{d.dp_replicate} replicas)" if d.zero == 3 else "")
-        return (f"model {m.arch} {m.size}: {self.model.num_params() / 1e6:.1f}M parameters | {layout} | "
+        if self.pipeline is not None:
+            plan = self.pipeline.plan
+            layout += (f" | pipeline {plan.schedule}: {plan.num_stages} stages, {plan.microbatches} "
+                       f"micro-batches x {plan.runs} run(s) per step")
+        return (f"model {m.arch} {m.size}: {self.num_params / 1e6:.1f}M parameters | {layout} | "
                 f"{self.acc.describe()}\n"
                 f"global batch {t.global_batch_size} x {self.cfg.data.seq_len} tokens "
                 f"({t.micro_batch_size} per micro-batch, {self.accum} accumulation steps) | "
