@@ -26,6 +26,7 @@ from polytrain.data import GlobalBatchSampler, TokenDataset, prepare_corpus, val
 from polytrain.distributed.activation_checkpoint import apply_activation_checkpointing
 from polytrain.distributed.data_parallel import build_data_parallel
 from polytrain.distributed.materialize import materialize
+from polytrain.distributed.tensor_parallel import vocab_parallel_loss
 from polytrain.distributed.topology import ParallelDims, dp_coordinates
 from polytrain.distributed.world import barrier, init_world, max_over_world, mean_over_world
 from polytrain.errors import TrainingDiverged
@@ -63,7 +64,9 @@ class Trainer:
         self.tokenizer = self.corpus.tokenizer
         self.dp = build_data_parallel(self.dims, self.mesh, cfg.parallel, run_dir=self.run_dir)
         self.model = self._build_model()
-        self.loss_fn = causal_lm_loss
+        # Under tp the model returns vocabulary-split logits (B, T, V/tp).
+        self.loss_fn = (vocab_parallel_loss(self.mesh["tp"], cfg.model.vocab_size) if self.dims.tp > 1
+                        else causal_lm_loss)
         # The optimizer whose param_groups carry the learning rate (ZeRO: the one over master shards).
         self.optimizer = self.dp.build_optimizer(self.model, cfg.train)
         seq_len = cfg.data.seq_len
@@ -115,11 +118,13 @@ class Trainer:
         return corpus
 
     def _build_model(self) -> torch.nn.Module:
-        """Meta-device model -> activation checkpointing -> data parallel -> real weights."""
-        if self.dims.tp > 1 or self.dims.pp > 1:
-            raise ConfigError("parallel.tp and parallel.pp > 1 are not implemented yet")
+        """Meta-device model -> tensor parallel -> activation checkpointing -> data parallel -> real weights."""
+        if self.dims.pp > 1:
+            raise ConfigError("parallel.pp > 1 is not implemented yet")
+        arch = ARCHITECTURES[self.cfg.model.arch]
         with torch.device("meta"):
-            model = ARCHITECTURES[self.cfg.model.arch].build(self.cfg.model)
+            model = arch.build(self.cfg.model)
+        arch.parallelize(model, self.dims, self.mesh)  # tp/sp and dropout streams; nothing on one rank
         apply_activation_checkpointing(model, self.cfg.train.activation_checkpoint)
         model = self.dp.parallelize(model)
         materialize(model, self.device, self.cfg.run.seed)
