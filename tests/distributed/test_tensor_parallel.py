@@ -108,20 +108,62 @@ def _compare_model(rank: int, world_size: int, sp: bool, overrides: dict) -> dic
     return stats.as_dict()
 
 
+def _compare_stages(rank: int, world_size: int) -> None:
+    """Pipeline stages under SP: a stage without the embedding takes, and one without the head
+    returns, this rank's residual stream (B, T/tp, D)."""
+    from polytrain.distributed.collectives import scatter_to_sp
+    from polytrain.distributed.tensor_parallel import shard_sizes
+
+    def first_stage(model):
+        model.norm = model.output = None
+        del model.layers["1"]
+
+    def last_stage(model):
+        model.tok_embeddings = None
+        del model.layers["0"]
+
+    ref, first, ctx, _ = _setup(world_size, True, BASE, prepare=first_stage)
+    _, last, _, _ = _setup(world_size, True, BASE, prepare=last_stage)
+    tokens = torch.randint(0, BASE.vocab_size, (B, T), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref_blocks, hooks = _block_outputs(ref)
+        ref_logits = ref(tokens)
+        hidden = first(tokens)  # (B, T/tp, D): what this rank sends to the next stage
+        assert hidden.shape == (B, T // world_size, BASE.dim)
+        torch.testing.assert_close(hidden, scatter_to_sp(ref_blocks[0], 1, ctx.group), rtol=1e-5, atol=1e-5)
+        logits = last(hidden)  # RoPE and causality over the full T although the input is T/tp long
+    for h in hooks:
+        h.remove()
+    assert logits.shape[-1] == shard_sizes(BASE.vocab_size, world_size)[rank]
+    torch.testing.assert_close(_full(logits, ctx, -1), ref_logits, rtol=1e-5, atol=1e-5)
+
+
+def _tp2_all(rank: int, world_size: int, cases: list) -> dict:
+    """One set of 2 ranks for every tp = 2 check (spawning ranks costs seconds)."""
+    stats = [_compare_model(rank, world_size, sp, overrides) for sp, overrides in cases]
+    _compare_stages(rank, world_size)
+    return {"stats": stats, "dropout": _dropout_streams(rank, world_size)}
+
+
 def _layer_cases(rank: int, world_size: int, cases: list) -> list[dict]:
     return [_compare_model(rank, world_size, sp, overrides) for sp, overrides in cases]
 
 
-def test_tp2_layers_match_single_device():
+@pytest.fixture(scope="module")
+def tp2():
+    """Rank 0's results of the tp = 2 checks (each rank asserts its own equalities)."""
     cases = [
         (False, {}),
         # SP, tied embedding and head, a vocabulary tp does not divide (shards of 255 and 254).
         (True, {"tie_embeddings": True, "vocab_size": 509}),
     ]
-    stats = run_ranks(2, _layer_cases, cases)
+    return run_ranks(2, _tp2_all, cases)[0]
+
+
+def test_tp2_layers_and_pipeline_stages_match_single_device(tp2):
     # Plain TP: an all-reduce per embedding, per attention and MLP input (backward) and
     # output (forward), at the head's input, and the loss's max and (sum exp, target).
-    plain = stats[0][0]
+    plain = tp2["stats"][0]
     n_layers = BASE.n_layers
     assert set(plain) == {"all_reduce"} and plain["all_reduce"]["calls"] == 1 + 4 * n_layers + 1 + 2
     assert plain["all_reduce"]["peers"] == [1]
@@ -131,7 +173,7 @@ def test_tp2_layers_match_single_device():
     assert plain["all_reduce"]["bytes_sent"] == pytest.approx(expected)
     # SP: all-reduces of activations become all-gathers and reduce-scatters of the same
     # total; the norms' gains (2 per block + final) are all-reduced in backward.
-    seq = stats[0][1]
+    seq = tp2["stats"][1]
     assert seq["all_gather"]["calls"] == seq["reduce_scatter"]["calls"] == 1 + 4 * n_layers + 1
     assert seq["all_gather"]["bytes_sent"] == pytest.approx(act / 2 * (2 + 4 * n_layers))
     assert seq["all_reduce"]["calls"] == 2 + (2 * n_layers + 1)
@@ -195,8 +237,8 @@ def _dropout_gradients(world_size: int, checkpointing: str) -> dict[str, torch.T
     return {name: p.grad.to_local() for name, p in model.named_parameters()}
 
 
-def test_dropout_masks_equal_where_replicated_independent_where_sharded_and_recomputed_alike():
-    results = run_ranks(2, _dropout_streams)[0]
+def test_dropout_masks_equal_where_replicated_independent_where_sharded_and_recomputed_alike(tp2):
+    results = tp2["dropout"]
     # Plain TP: embedding and MLP-output masks equal on both ranks; attention heads differ.
     assert results[False] == [True, True, False]
     # SP: the residual stream holds different tokens per rank, so every mask differs.
