@@ -95,7 +95,6 @@ class TPContext:
         weight slice.
         """
         if self.sp_active:
-            self._check_divisible(x.shape[SEQ_DIM] * self.size)
             return gather_from_sp(x, SEQ_DIM, self.group)
         return copy_to_tp(x, self.group)
 
