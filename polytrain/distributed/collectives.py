@@ -34,8 +34,8 @@ input bytes, broadcast b from the source, send b. A group of one rank sends noth
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 import torch.distributed as dist

@@ -88,6 +88,10 @@ class TPContext:
             self._params[id(param)] = nn.Parameter(tensor, requires_grad=param.requires_grad)
         return self._params[id(param)]
 
+    def forget_parameters(self) -> None:
+        """Drop the tied-parameter memo of `distribute` (call when a model is done)."""
+        self._params.clear()
+
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """Into a tensor-parallel region: (B, T/tp, D) all-gathered under SP, else (B, T, D) as is.
 

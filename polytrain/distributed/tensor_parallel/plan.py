@@ -154,4 +154,7 @@ def parallelize_tp(model: nn.Module, plan: Plan, mesh: DeviceMesh, sp: bool, mod
                     raise ValueError("a plan's root style must modify the model in place")
                 parent, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(parent), attr, new)
+    # The memo of distributed parameters is keyed by id(); once the replaced modules are
+    # gone their ids may be reused, so it must not outlive this pass.
+    ctx.forget_parameters()
     return ctx
