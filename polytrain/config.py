@@ -76,6 +76,8 @@ class ModelConfig:
     """RMSNorm epsilon."""
     tie_embeddings: bool = False
     """Share the token embedding with the output projection."""
+    dropout: float = 0.0
+    """Dropout probability in training on attention weights, the embedding, attention and MLP outputs (0 = off)."""
 
 
 @dataclass
@@ -352,6 +354,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.n_kv_heads = {m.n_kv_heads} must divide model.n_heads = {m.n_heads}")
     if (m.dim // m.n_heads) % 2:
         raise ConfigError(f"head dim model.dim / model.n_heads = {m.dim // m.n_heads} must be even for RoPE")
+    if not 0 <= m.dropout < 1:
+        raise ConfigError(f"model.dropout = {m.dropout} must be in [0, 1)")
     if cfg.data.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len = {cfg.data.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
     if t.global_batch_size % t.micro_batch_size:

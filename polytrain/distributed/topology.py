@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from polytrain.config import Config, ConfigError
 from polytrain.distributed.offload import check_nvme_path
 from polytrain.distributed.pipeline.plan import plan_from_config
+from polytrain.distributed.tensor_parallel.checks import check_tensor_parallel
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 PIPELINE_SCHEDULES_WITH_CHUNKS = ("interleaved", "zero_bubble")
@@ -104,6 +105,7 @@ class ParallelDims:
             if p.zero_shard not in (-1, 1):
                 raise ConfigError("parallel.zero_shard only applies with parallel.zero = 3; remove it or set zero = 3")
             shard = dp if p.zero in (1, 2) else 1
+        check_tensor_parallel(cfg)  # tp against the model, the sequence and the ZeRO stage
         if p.offload == "nvme" and p.nvme_path:
             check_nvme_path(p.nvme_path)  # here, not in config.validate: another machine may read the config
         per_step = t.micro_batch_size * dp

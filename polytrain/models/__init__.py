@@ -22,9 +22,25 @@ class Architecture:
     """Size name -> model fields (dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_size)."""
     module: str
     """Module that defines `build(cfg: ModelConfig) -> nn.Module`."""
+    parallelize_module: str = ""
+    """Module that defines `parallelize(model, dims, mesh)`: tensor parallelism from outside ("" = none)."""
 
     def build(self, cfg: ModelConfig) -> nn.Module:
         return importlib.import_module(self.module).build(cfg)
+
+    def parallelize(self, model: nn.Module, dims, mesh):
+        """Apply tensor/sequence parallelism (and dropout streams) to `model` on the meta device.
+
+        Returns the tensor-parallel context, or None when tp = 1.
+        """
+        if not self.parallelize_module:
+            if dims.tp > 1:
+                from polytrain.config import ConfigError
+
+                raise ConfigError(f"model.arch = '{model.cfg.arch}' has no tensor-parallel plan; "
+                                  "set parallel.tp = 1")
+            return None
+        return importlib.import_module(self.parallelize_module).parallelize(model, dims, mesh)
 
 
 def _preset(dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_size):
@@ -42,5 +58,6 @@ LLAMA_PRESETS = {
 }
 
 ARCHITECTURES: dict[str, Architecture] = {
-    "llama": Architecture(presets=LLAMA_PRESETS, module="polytrain.models.llama.model"),
+    "llama": Architecture(presets=LLAMA_PRESETS, module="polytrain.models.llama.model",
+                          parallelize_module="polytrain.models.llama.parallelize"),
 }

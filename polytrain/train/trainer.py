@@ -27,6 +27,7 @@ from polytrain.distributed.activation_checkpoint import apply_activation_checkpo
 from polytrain.distributed.data_parallel import build_data_parallel
 from polytrain.distributed.materialize import materialize
 from polytrain.distributed.pipeline import PipelineRunner, plan_from_config, run_under, split_model
+from polytrain.distributed.tensor_parallel import shard_sizes, vocab_parallel_loss
 from polytrain.distributed.topology import ParallelDims, dp_coordinates
 from polytrain.distributed.world import barrier, init_world, max_over_world, mean_over_world
 from polytrain.errors import TrainingDiverged
@@ -67,7 +68,9 @@ class Trainer:
                                "fp16": torch.float16}[cfg.train.precision]
         self.pipeline: PipelineRunner | None = None  # set by _build_model when parallel.pp > 1
         self.model = self._build_model()
-        self.loss_fn = causal_lm_loss
+        # Under tp the model returns vocabulary-split logits (B, T, V/tp).
+        self.loss_fn = (vocab_parallel_loss(self.mesh["tp"], cfg.model.vocab_size) if self.dims.tp > 1
+                        else causal_lm_loss)
         # The optimizer whose param_groups carry the learning rate (ZeRO: the one over master shards).
         self.optimizer = self.dp.build_optimizer(self.model, cfg.train)
         seq_len = cfg.data.seq_len
@@ -116,23 +119,24 @@ class Trainer:
         return corpus
 
     def _build_model(self) -> torch.nn.Module:
-        """Meta-device model -> pipeline stages -> activation checkpointing -> data parallel -> real weights.
+        """Meta-device model -> pipeline stages -> tensor parallel -> activation checkpointing
+        -> data parallel -> real weights.
 
         Under pipeline parallelism the returned module is an nn.ModuleDict of this
         rank's stages ({global stage index: pruned model}) and `self.pipeline` runs them.
         """
-        if self.dims.tp > 1:
-            raise ConfigError("parallel.tp > 1 is not implemented yet")
-        cfg = self.cfg
+        cfg, dims = self.cfg, self.dims
+        arch = ARCHITECTURES[cfg.model.arch]
         with torch.device("meta"):
-            model = ARCHITECTURES[cfg.model.arch].build(cfg.model)
+            model = arch.build(cfg.model)
         # Whole-model figures, whatever part of it this rank ends up holding.
         self.num_params = model.num_params()
         self.flops_per_token = model.flops_per_token(cfg.data.seq_len)
-        plan = plan_from_config(cfg, self.dims.dp)
+        plan = plan_from_config(cfg, dims.dp)
         pp_rank = self.mesh["pp"].get_local_rank() if plan else 0
         stages = split_model(model, plan, pp_rank) if plan else {"": model}
         for stage in stages.values():
+            arch.parallelize(stage, dims, self.mesh)  # tp/sp and dropout streams; nothing on one rank
             apply_activation_checkpointing(stage, cfg.train.activation_checkpoint)
         model = self.dp.parallelize(stages if plan else model)
         for stage in stages.values():
@@ -141,9 +145,13 @@ class Trainer:
             for stage in stages.values():  # the schedule calls the stages; autocast goes with them
                 run_under(stage, lambda: self.acc.autocast(self.autocast_dtype))
             mbs, seq, dim = cfg.train.micro_batch_size, cfg.data.seq_len, cfg.model.dim
+            # Under tp the head's logits are this rank's vocabulary slice; under sp the
+            # residual stream between stages is this rank's sequence slice.
+            tp_rank = self.mesh["tp"].get_local_rank()
+            vocab = shard_sizes(cfg.model.vocab_size, dims.tp)[tp_rank]
+            hidden = (mbs, seq // dims.tp if dims.sp else seq, dim)
             self.pipeline = PipelineRunner(plan, stages, pp_rank, self.mesh["pp"].get_group(), self.device,
-                                           mbs, seq, hidden_shape=(mbs, seq, dim),
-                                           logits_shape=(mbs, seq, cfg.model.vocab_size))
+                                           mbs, seq, hidden_shape=hidden, logits_shape=(mbs, seq, vocab))
         return model
 
     def _loss_scaler(self) -> LossScaler | None:

@@ -17,7 +17,7 @@ class Attention(nn.Module):
     so the same code runs when tensor parallelism leaves each rank a slice of the heads.
     """
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, layer_id: int):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, layer_id: int, dropout: float = 0.0):
         super().__init__()
         if n_heads % n_kv_heads:
             raise ValueError(f"n_kv_heads = {n_kv_heads} must divide n_heads = {n_heads}")
@@ -27,6 +27,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.dropout = dropout  # on the attention weights, in training
+        self.resid_dropout = nn.Dropout(dropout)  # on the output, before it joins the residual stream
 
     def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
                 cache: KVCache | None = None, start_pos: int = 0,
@@ -53,7 +55,7 @@ class Attention(nn.Module):
             v = v.repeat_interleave(n_rep, dim=1)
         out = self.core(q, k, v, mask)
         out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * D)
-        return self.wo(out)
+        return self.resid_dropout(self.wo(out))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              mask: torch.Tensor | None) -> torch.Tensor:
@@ -63,4 +65,5 @@ class Attention(nn.Module):
         part, whose saved activations grow with T * S.
         """
         causal = mask is None and q.shape[2] > 1
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              dropout_p=self.dropout if self.training else 0.0)

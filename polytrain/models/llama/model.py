@@ -34,9 +34,9 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, layer_id)
+        self.attention = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, layer_id, cfg.dropout)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = SwiGLU(cfg.dim, cfg.ffn_dim)
+        self.feed_forward = SwiGLU(cfg.dim, cfg.ffn_dim, cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
                 cache: KVCache | None = None, start_pos: int = 0,
@@ -60,6 +60,7 @@ class Llama(nn.Module):
             raise ValueError(f"dim = {cfg.dim} must split into n_heads = {cfg.n_heads} heads of even size")
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.dropout = nn.Dropout(cfg.dropout)  # on the embeddings (GPT-style; no-op at 0)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
@@ -82,7 +83,9 @@ class Llama(nn.Module):
         if start_pos + T > self.cfg.max_seq_len:
             raise ValueError(f"positions up to {start_pos + T} exceed model.max_seq_len = "
                              f"{self.cfg.max_seq_len}")
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, dim)
+        h = tokens  # a stage without the embedding receives hidden states (B, T, dim)
+        if self.tok_embeddings is not None:
+            h = self.dropout(self.tok_embeddings(tokens))  # (B, T, dim)
         rope_cos, rope_sin, mask = self._attention_inputs(T, cache, start_pos, h.device)
         for layer in self.layers.values():
             h = layer(h, rope_cos, rope_sin, cache, start_pos, mask)
