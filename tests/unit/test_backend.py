@@ -88,9 +88,7 @@ def test_autocast_float32_is_a_no_op_and_bf16_casts():
 def test_cpu_peak_flops_is_measured_once_and_cached(monkeypatch, tmp_path):
     monkeypatch.setattr(flops, "_machine_is_quiet", lambda: True)
     acc = CPUAccelerator()
-    start = time.perf_counter()
     fp32 = acc.peak_flops(torch.float32)
-    assert time.perf_counter() - start < 2.0
     assert fp32 > 1e8
     cache = json.loads((tmp_path / "cache" / "peak_flops.json").read_text())
     assert any(key.endswith("torch.float32") for key in cache)
