@@ -5,8 +5,10 @@
     python benchmarks/tp_throughput.py --json tp_tput.json
 
 Layouts, all at the same global batch (so the same tokens per step and the same loss):
-1 process (`--threads` threads); dp = 2; tp = 2; tp = 2 with sequence parallelism. The
-multi-process layouts split `--threads` between their ranks (gloo, tests/multirank.py).
+1 process with `--threads` threads, and with 1 thread; dp = 2; tp = 2; tp = 2 with sequence
+parallelism. The multi-process layouts split `--threads` between their ranks (gloo,
+tests/multirank.py). The one-thread process is the baseline that does not depend on how
+well intra-op threads scale (they scale badly on a machine busy with other work).
 Each layout builds `Trainer(cfg)`, runs `--warmup` untimed steps, then `--steps` timed
 `train_step()`s between barriers; the layouts take turns over `--rounds` rounds (the
 order rotates each round) so drift in machine speed hits all of them. tokens/s = global
@@ -35,11 +37,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests is not installed
 from tests.multirank import run_ranks
 
-LAYOUTS = {  # name -> (ranks, overrides)
-    "1 process": (1, []),
-    "dp = 2": (2, []),
-    "tp = 2": (2, ["--parallel.tp", "2"]),
-    "tp = 2, SP": (2, ["--parallel.tp", "2", "--parallel.sp", "true"]),
+LAYOUTS = {  # name -> (ranks, threads per rank (0 = share --threads), overrides)
+    "1 process": (1, 0, []),
+    "1 process, 1 thread": (1, 1, []),
+    "dp = 2": (2, 0, []),
+    "tp = 2": (2, 0, ["--parallel.tp", "2"]),
+    "tp = 2, SP": (2, 0, ["--parallel.tp", "2", "--parallel.sp", "true"]),
 }
 
 
@@ -93,9 +96,10 @@ def main() -> None:
         for round_ in range(args.rounds):
             order = names[round_ % len(names):] + names[:round_ % len(names)]
             for name in order:
-                ranks, extra = LAYOUTS[name]
+                ranks, threads, extra = LAYOUTS[name]
                 overrides = common + ["--run.out_dir", f"{tmp}/{round_}-{len(runs[name])}-{ranks}"] + extra
-                result = run_ranks(ranks, _time_layout, overrides, args, max(1, args.threads // ranks))[0]
+                threads = threads or max(1, args.threads // ranks)
+                result = run_ranks(ranks, _time_layout, overrides, args, threads)[0]
                 runs[name].append(result)
                 print(f"round {round_ + 1}: {name}: {result['tokens_per_s']:,.0f} tok/s "
                       f"(loss {result['loss']:.4f})", flush=True)
@@ -105,11 +109,11 @@ def main() -> None:
           f"{torch.__version__}, load average {load:.1f} at start. llama {args.size} ({params / 1e6:.1f}M "
           f"parameters), seq {args.seq_len}, micro-batch {args.micro_batch}, global batch {args.global_batch}, "
           f"fp32; {args.rounds} rounds x {args.steps} timed steps after {args.warmup} warm-up steps.\n")
-    print("| layout | tokens/s (median) | x of 1 process | loss after the last step |")
-    print("| --- | ---: | ---: | ---: |")
+    print("| layout | tokens/s (median) | x of 1 process | x of 1 process, 1 thread | loss after the last step |")
+    print("| --- | ---: | ---: | ---: | ---: |")
     for name in names:
         print(f"| {name} | {medians[name]:,.0f} | {medians[name] / medians[names[0]]:.2f} | "
-              f"{runs[name][-1]['loss']:.4f} |")
+              f"{medians[name] / medians[names[1]]:.2f} | {runs[name][-1]['loss']:.4f} |")
     print(f"\nCommand: python benchmarks/tp_throughput.py {' '.join(sys.argv[1:])}".rstrip())
     if args.json:
         args.json.write_text(json.dumps({"medians": medians, "runs": runs}, indent=1))
