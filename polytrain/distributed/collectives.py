@@ -16,6 +16,7 @@ Two layers:
       reduce_scatter_to_sp forward reduce-scatter   backward all-gather
       scatter_to_sp       forward keep own slice    backward all-gather
       gather_from_tp      forward all-gather        backward keep own slice
+      sum_across          forward all-reduce        backward all-reduce
 
   The "tp"/"sp" in the names say which region the tensor enters or leaves; the group
   is an argument, so the same functions serve any axis (tp, a 2D grid's rows, ...).
@@ -320,6 +321,24 @@ class _GatherFromTP(torch.autograd.Function):
         return grad.narrow(ctx.dim, start, ctx.sizes[ctx.rank]).contiguous(), None, None, None
 
 
+class _SumAcross(torch.autograd.Function):
+    """Forward: all-reduce (sum). Backward: all-reduce (sum) the gradient.
+
+    A sum every rank uses downstream with a different gradient: the statistics of a
+    norm whose hidden features are split over the group (2D/2.5D/3D grids). Each
+    rank's part of the sum feeds every rank's output, so its gradient is the sum of them.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad, ctx.group), None
+
+
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Forward identity, backward all-reduce (see _CopyToTP)."""
     return _CopyToTP.apply(x, group)
@@ -348,3 +367,8 @@ def scatter_to_sp(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torc
 def gather_from_tp(x: torch.Tensor, dim: int, sizes: list[int], group: ProcessGroup | None) -> torch.Tensor:
     """Forward all-gather of shards sized `sizes` along `dim`, backward keep own slice (see _GatherFromTP)."""
     return _GatherFromTP.apply(x, dim, sizes, group)
+
+
+def sum_across(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Forward all-reduce, backward all-reduce (see _SumAcross)."""
+    return _SumAcross.apply(x, group)

@@ -8,7 +8,9 @@ Ranks are laid out row-major over that shape (Megatron's order): the innermost
 axis, tp, holds consecutive ranks, so a tensor-parallel group, which talks on every
 layer, stays inside one node; pipeline stages, which only pass activations to
 their neighbours, are outermost and go across nodes; data parallelism spreads over
-what is left. Axes of size 1 are kept, so code can always ask for `mesh["tp"]`.
+what is left. Axes of size 1 are kept, so code can always ask for `mesh["tp"]`, except
+under parallel.tp_mode 2d / 2.5d / 3d, where the tp axis is built as the grid's axes
+(tensor_parallel/grid.py: tp_i x tp_j, ...) in its place; `tp_mesh(mesh)` gives either.
 
 Data-parallel ranks = dp_replicate x dp_shard: with ZeRO-3 the parameters are
 sharded over dp_shard and replicated over dp_replicate (HSDP); ZeRO-1/2 shard
@@ -26,6 +28,7 @@ from polytrain.config import Config, ConfigError
 from polytrain.distributed.offload import check_nvme_path
 from polytrain.distributed.pipeline.plan import plan_from_config
 from polytrain.distributed.tensor_parallel.checks import check_tensor_parallel
+from polytrain.distributed.tensor_parallel.grid import grid_axes
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 PIPELINE_SCHEDULES_WITH_CHUNKS = ("interleaved", "zero_bubble")
@@ -46,6 +49,8 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     sp: bool = False
+    tp_mode: str = "1d"
+    tp_depth: int = 1
 
     @property
     def dp(self) -> int:
@@ -105,7 +110,7 @@ class ParallelDims:
             if p.zero_shard not in (-1, 1):
                 raise ConfigError("parallel.zero_shard only applies with parallel.zero = 3; remove it or set zero = 3")
             shard = dp if p.zero in (1, 2) else 1
-        check_tensor_parallel(cfg)  # tp against the model, the sequence and the ZeRO stage
+        check_tensor_parallel(cfg, dp)  # tp against the model, the sequence and the ZeRO stage
         if p.offload == "nvme" and p.nvme_path:
             check_nvme_path(p.nvme_path)  # here, not in config.validate: another machine may read the config
         per_step = t.micro_batch_size * dp
@@ -119,15 +124,24 @@ class ParallelDims:
             )
         plan_from_config(cfg, dp)  # the pipeline keys against the model and batch
         return cls(world_size=world_size, dp_replicate=dp // shard, dp_shard=shard, zero=p.zero,
-                   tp=p.tp, pp=p.pp, sp=p.sp)
+                   tp=p.tp, pp=p.pp, sp=p.sp, tp_mode=p.tp_mode, tp_depth=p.tp_depth)
 
     def grad_accum_steps(self, cfg: Config) -> int:
         """Micro-batches each rank runs per optimizer step to reach the global batch."""
         return cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.dp)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The world's DeviceMesh with named axes; needs an initialised process group."""
-        return init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
+        """The world's DeviceMesh with named axes; needs an initialised process group.
+
+        A tp grid's axes stand where tp would (innermost): the same ranks, split finer.
+        """
+        grid = grid_axes(self.tp_mode, self.tp, self.tp_depth)
+        return init_device_mesh(device_type, (*self.shape[:-1], *grid.values()),
+                                mesh_dim_names=(*MESH_AXES[:-1], *grid))
+
+    def tp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The tensor-parallel part of `mesh`: the 1-D tp axis, or the tp grid's axes."""
+        return mesh[tuple(grid_axes(self.tp_mode, self.tp, self.tp_depth))]
 
 
 def dp_coordinates(mesh: DeviceMesh) -> tuple[int, int]:
@@ -148,8 +162,6 @@ def _check_model_parallel(cfg: Config) -> None:
     if p.sp and p.tp == 1:
         raise ConfigError("parallel.sp = true splits the sequence over the tensor-parallel ranks; "
                           "it needs parallel.tp > 1")
-    if p.tp_mode != "1d":
-        raise ConfigError(f"parallel.tp_mode = '{p.tp_mode}' is not available yet; use '1d'")
     if p.tp_depth != 1 and p.tp_mode != "2.5d":
         raise ConfigError("parallel.tp_depth only applies with parallel.tp_mode = '2.5d'")
 

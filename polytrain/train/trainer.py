@@ -27,7 +27,7 @@ from polytrain.distributed.activation_checkpoint import apply_activation_checkpo
 from polytrain.distributed.data_parallel import build_data_parallel
 from polytrain.distributed.materialize import materialize
 from polytrain.distributed.pipeline import PipelineRunner, plan_from_config, run_under, split_model
-from polytrain.distributed.tensor_parallel import shard_sizes, vocab_parallel_loss
+from polytrain.distributed.tensor_parallel import Context, shard_sizes
 from polytrain.distributed.topology import ParallelDims, dp_coordinates
 from polytrain.distributed.world import barrier, init_world, max_over_world, mean_over_world
 from polytrain.errors import TrainingDiverged
@@ -67,10 +67,11 @@ class Trainer:
         self.autocast_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
                                "fp16": torch.float16}[cfg.train.precision]
         self.pipeline: PipelineRunner | None = None  # set by _build_model when parallel.pp > 1
+        self.tp_ctx: Context | None = None  # set by _build_model when parallel.tp > 1
         self.model = self._build_model()
-        # Under tp the model returns vocabulary-split logits (B, T, V/tp).
-        self.loss_fn = (vocab_parallel_loss(self.mesh["tp"], cfg.model.vocab_size) if self.dims.tp > 1
-                        else causal_lm_loss)
+        # Under tp the model returns vocabulary-split logits: (B, T, V/tp) in 1d, a grid
+        # block of sequences and vocabulary otherwise; the context knows which.
+        self.loss_fn = self.tp_ctx.loss_fn(cfg.model.vocab_size) if self.tp_ctx else causal_lm_loss
         # The optimizer whose param_groups carry the learning rate (ZeRO: the one over master shards).
         self.optimizer = self.dp.build_optimizer(self.model, cfg.train)
         seq_len = cfg.data.seq_len
@@ -136,7 +137,7 @@ class Trainer:
         pp_rank = self.mesh["pp"].get_local_rank() if plan else 0
         stages = split_model(model, plan, pp_rank) if plan else {"": model}
         for stage in stages.values():
-            arch.parallelize(stage, dims, self.mesh)  # tp/sp and dropout streams; nothing on one rank
+            self.tp_ctx = arch.parallelize(stage, dims, self.mesh)  # tp/sp, dropout streams; None on one rank
             apply_activation_checkpointing(stage, cfg.train.activation_checkpoint)
         model = self.dp.parallelize(stages if plan else model)
         for stage in stages.values():
@@ -329,10 +330,13 @@ class Trainer:
         last_val = self.evaluate()
         self.metrics.log({"step": self.step, "val_loss": last_val, "time": time.perf_counter() - start})
         checkpoint = self.save() if saved_step != self.step else latest_checkpoint(self.run_dir)
-        sample = self.sample() if cfg.run.sample_tokens > 0 and self.pipeline is None else ""
-        if cfg.run.sample_tokens > 0 and self.pipeline is not None and main:
-            print("no text sample under pipeline parallelism (generation runs on one process): "
-                  f"polytrain generate {self.run_dir}", flush=True)
+        # Generation runs on one process under pipelines and tp grids (whose ranks each
+        # hold other sequences); the checkpoint loads there.
+        one_process = self.pipeline is not None or cfg.parallel.tp_mode != "1d" and self.dims.tp > 1
+        sample = self.sample() if cfg.run.sample_tokens > 0 and not one_process else ""
+        if cfg.run.sample_tokens > 0 and one_process and main:
+            print(f"no text sample under pipeline parallelism or tp_mode {cfg.parallel.tp_mode} (generation "
+                  f"runs on one process): polytrain generate {self.run_dir}", flush=True)
         if main:
             plot_loss(self.run_dir)
         self.close()

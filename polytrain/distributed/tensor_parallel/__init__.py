@@ -1,10 +1,12 @@
 """Tensor parallelism: layers split over the tp mesh axis, applied to a model from outside by a plan.
 
-    ctx = parallelize_tp(model, plan, dims_mesh["tp"], sp=True)   # plan: module patterns -> roles
-    loss_fn = vocab_parallel_loss(mesh["tp"], vocab_size)          # on the vocabulary-split logits
+    ctx = parallelize_tp(model, plan, dims.tp_mesh(mesh), sp, mode)   # plan: module patterns -> roles
+    loss_fn = ctx.loss_fn(vocab_size)                                  # on the split logits
 
-plan.py (roles and their application), one_d.py (Megatron's 1D layers), context.py
-(what the layers share), cross_entropy.py, checks.py (start-up validation).
+plan.py (roles and their application, the modes), one_d.py (Megatron's 1D layers),
+context.py (what 1D layers share), cross_entropy.py, checks.py (start-up validation);
+the grid modes: grid.py (axes, groups, what grid layers share), summa.py (2D, 2.5D),
+three_d.py (3D), grid_layers.py (their norms, embedding lookup, root).
 """
 
 from polytrain.distributed.tensor_parallel.context import TPContext, shard_range, shard_sizes
@@ -14,6 +16,7 @@ from polytrain.distributed.tensor_parallel.cross_entropy import (
 )
 from polytrain.distributed.tensor_parallel.plan import (
     Column,
+    Context,
     Norm,
     Plan,
     Region,
@@ -25,6 +28,6 @@ from polytrain.distributed.tensor_parallel.plan import (
 )
 
 __all__ = [
-    "Column", "Norm", "Plan", "Region", "Root", "Row", "TPContext", "VocabEmbedding", "VocabHead",
+    "Column", "Context", "Norm", "Plan", "Region", "Root", "Row", "TPContext", "VocabEmbedding", "VocabHead",
     "parallelize_tp", "shard_range", "shard_sizes", "vocab_parallel_cross_entropy", "vocab_parallel_loss",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from polytrain.config import Config, ConfigError, ModelConfig
+from polytrain.distributed.tensor_parallel.grid import grid_side, grid_sizes
 
 
 def kv_heads_split(n_kv_heads: int, tp: int) -> bool:
@@ -16,10 +17,14 @@ def valid_tp_degrees(m: ModelConfig) -> list[int]:
             if m.n_heads % t == 0 and m.ffn_dim % t == 0 and kv_heads_split(m.n_kv_heads, t)]
 
 
-def check_tensor_parallel(cfg: Config) -> None:
-    """Fail unless parallel.tp / parallel.sp fit the model, the sequence and the ZeRO stage."""
+def check_tensor_parallel(cfg: Config, dp: int = 1) -> None:
+    """Fail unless parallel.tp / parallel.sp / parallel.tp_mode fit the model, the sequence, the
+    ZeRO stage and (grid modes) the `dp` data-parallel ranks."""
     p, m = cfg.parallel, cfg.model
     if p.tp == 1:
+        return
+    if p.tp_mode != "1d":
+        check_grid(cfg, dp)
         return
     if p.zero in (1, 2):
         raise ConfigError(
@@ -42,3 +47,52 @@ def check_tensor_parallel(cfg: Config) -> None:
             f"parallel.sp splits each sequence into parallel.tp = {p.tp} equal parts, but "
             f"data.seq_len = {seq} is not a multiple of {p.tp}; use data.seq_len = "
             f"{seq // p.tp * p.tp or p.tp} or {(seq // p.tp + 1) * p.tp}, or parallel.sp = false")
+
+
+def grid_splits(m: ModelConfig, mode: str, q: int) -> dict[str, tuple[int, int]]:
+    """Model field -> (value, what must divide it) for a grid of side q.
+
+    2D/2.5D split heads, KV heads, FFN width and vocabulary q ways (a weight block is
+    (out/q, in/q)); 3D splits heads and KV heads q ways but every weight's output
+    features q^2 ways (out by j, then by i).
+    """
+    out = q * q if mode == "3d" else q
+    kv_dim = m.n_kv_heads * (m.dim // m.n_heads)
+    return {"model.n_heads": (m.n_heads, q), "model.n_kv_heads": (m.n_kv_heads, q),
+            "model.dim": (m.dim, out), "model.n_kv_heads x head_dim": (kv_dim, out),
+            "model.ffn_dim": (m.ffn_dim, out), "model.vocab_size": (m.vocab_size, out)}
+
+
+def check_grid(cfg: Config, dp: int) -> None:
+    """Fail unless parallel.tp is a grid of parallel.tp_mode that fits the model, batch and layout."""
+    p, m, mode = cfg.parallel, cfg.model, cfg.parallel.tp_mode
+    depth = p.tp_depth if mode == "2.5d" else 1
+    shape = {"2d": "q x q", "2.5d": f"q x q x tp_depth ({depth})", "3d": "q x q x q"}[mode]
+    q = grid_side(mode, p.tp, depth)
+    if q is None:
+        sizes = grid_sizes(mode, depth, 4 * p.tp)
+        near = [s for s in sizes if s < p.tp][-1:] + [s for s in sizes if s > p.tp][:1]
+        raise ConfigError(f"parallel.tp = {p.tp} is not a {shape} grid (tp_mode '{mode}'); nearest valid "
+                          f"{mode} sizes: {', '.join(map(str, near))}")
+    fixes = {"parallel.sp": (p.sp, "false: the grid already splits every activation"),
+             "parallel.pp": (p.pp != 1, "1: pipeline stages are not composed with grid modes yet"),
+             "parallel.zero": (p.zero != 0, "0: ZeRO does not shard grid blocks yet"),
+             "model.tie_embeddings": (m.tie_embeddings, "false: the embedding and head blocks differ"),
+             "parallel.dp": (dp != 1 and mode != "2d",
+                             "1 (or tp_mode '2d'): torch's FSDP2 composes with at most two tp mesh axes")}
+    for key, (wrong, fix) in fixes.items():
+        if wrong:
+            raise ConfigError(f"{key} with parallel.tp_mode = '{mode}' must be {fix}")
+    problems = [f"{key} = {value}" for key, (value, by) in grid_splits(m, mode, q).items() if value % by]
+    if problems:
+        fits = [size for size in grid_sizes(mode, depth, 4096) if size > 1 and not any(
+            value % by for value, by in grid_splits(m, mode, grid_side(mode, size, depth)).values())]
+        raise ConfigError(f"tp_mode '{mode}' at parallel.tp = {p.tp} (q = {q}) does not split "
+                          f"{' and '.join(problems)}; tp values of {mode} that fit this model: "
+                          f"{', '.join(map(str, fits)) or 'none'}")
+    parts = q * q if mode == "3d" else q * depth
+    batch = cfg.train.micro_batch_size
+    if batch % parts:
+        raise ConfigError(f"tp_mode '{mode}' at tp = {p.tp} gives each rank 1/{parts} of the micro-batch's "
+                          f"sequences; train.micro_batch_size = {batch} is not a multiple of {parts}; "
+                          f"use {(batch // parts + 1) * parts}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ContextManager
 
@@ -91,6 +92,14 @@ class TPContext:
     def forget_parameters(self) -> None:
         """Drop the tied-parameter memo of `distribute` (call when a model is done)."""
         self._params.clear()
+
+    def loss_fn(self, vocab_size: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The trainer's loss on the head's vocabulary-split logits (B, T, V/tp); equal on every rank."""
+        from polytrain.distributed.tensor_parallel.cross_entropy import (
+            vocab_parallel_loss,  # it imports this module
+        )
+
+        return vocab_parallel_loss(self.mesh, vocab_size)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """Into a tensor-parallel region: (B, T/tp, D) all-gathered under SP, else (B, T, D) as is.

@@ -10,9 +10,10 @@ A model's plan names roles, not layer classes (polytrain/models/llama/paralleliz
      "layers.*.attention.wo": Row(), ...
      "output": VocabHead()}
 
-`parallelize_tp(model, plan, mesh, sp, mode)` applies it from outside: the mode ("1d"
-today; 2d / 2.5d / 3d later) supplies each role's implementation, which replaces the
-matching module or rewires it in place, keeping every module and parameter name.
+`parallelize_tp(model, plan, mesh, sp, mode)` applies it from outside: the mode ("1d",
+Megatron's, in one_d.py; "2d" / "2.5d" in summa.py; "3d" in three_d.py) supplies each
+role's implementation, which replaces the matching module or rewires it in place,
+keeping every module and parameter name.
 Patterns are dot-separated names where "*" matches one component and "" is the model
 itself. A pattern may match nothing: a pipeline stage holds only some layers, and may
 have no embedding, final norm or head.
@@ -26,6 +27,10 @@ The data flow the roles assume (batch-first activations; T/tp only under SP):
 
 A pipeline stage's input and output hidden states are the residual stream as this rank
 holds it: (B, T/tp, D) under SP (this rank's tokens), (B, T, D) otherwise.
+
+The grid modes keep every activation split over the grid (sequences by one set of grid
+axes, features by another), so Region needs no entering or leaving there, and Column
+and Row are the same grid linear (3D: its two orientations); see summa.py, three_d.py.
 """
 
 from __future__ import annotations
@@ -38,8 +43,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from polytrain.distributed.rng import DropoutRNG
-from polytrain.distributed.tensor_parallel import one_d
+from polytrain.distributed.tensor_parallel import one_d, summa, three_d
 from polytrain.distributed.tensor_parallel.context import TPContext
+from polytrain.distributed.tensor_parallel.grid import Grid
 
 
 @dataclass(frozen=True)
@@ -110,18 +116,41 @@ class VocabHead(Style):
 
 
 Plan = dict[str, Style]
-Implementation = Callable[[nn.Module, Style, TPContext], nn.Module]
+Context = TPContext | Grid
+Implementation = Callable[[nn.Module, Style, Context], nn.Module]
 
-MODES: dict[str, dict[str, Implementation]] = {
-    "1d": {
-        "root": lambda m, s, ctx: one_d.root(m, ctx, s.cache_argument),
-        "vocab_embedding": lambda m, s, ctx: one_d.VocabParallelEmbedding(m, ctx),
-        "norm": lambda m, s, ctx: one_d.norm(m, ctx),
-        "region": lambda m, s, ctx: one_d.region(m, ctx, s.sharded_methods),
-        "column": lambda m, s, ctx: one_d.ColumnParallelLinear(m, ctx, s.unit, s.shared_units),
-        "row": lambda m, s, ctx: one_d.RowParallelLinear(m, ctx),
-        "vocab_head": lambda m, s, ctx: one_d.VocabParallelHead(m, ctx),
-    },
+
+@dataclass(frozen=True)
+class Mode:
+    """A tensor-parallel scheme: its layers' shared context and each role's implementation."""
+
+    context: Callable[[DeviceMesh, bool, DropoutRNG | None], Context]
+    roles: dict[str, Implementation]
+
+
+def _grid(mode: str, layout) -> Callable[[DeviceMesh, bool, DropoutRNG | None], Grid]:
+    def context(mesh: DeviceMesh, sp: bool, dropout: DropoutRNG | None) -> Grid:
+        if sp:
+            raise ValueError(f"sequence parallelism is 1d's; tp_mode {mode} already splits the sequences")
+        return Grid(mesh, mode, layout.LOGITS_BATCH_AXES, layout.LOGITS_VOCAB_AXIS, dropout)
+    return context
+
+
+ONE_D: dict[str, Implementation] = {
+    "root": lambda m, s, ctx: one_d.root(m, ctx, s.cache_argument),
+    "vocab_embedding": lambda m, s, ctx: one_d.VocabParallelEmbedding(m, ctx),
+    "norm": lambda m, s, ctx: one_d.norm(m, ctx),
+    "region": lambda m, s, ctx: one_d.region(m, ctx, s.sharded_methods),
+    "column": lambda m, s, ctx: one_d.ColumnParallelLinear(m, ctx, s.unit, s.shared_units),
+    "row": lambda m, s, ctx: one_d.RowParallelLinear(m, ctx),
+    "vocab_head": lambda m, s, ctx: one_d.VocabParallelHead(m, ctx),
+}
+
+MODES: dict[str, Mode] = {
+    "1d": Mode(TPContext, ONE_D),
+    "2d": Mode(_grid("2d", summa), summa.ROLES),
+    "2.5d": Mode(_grid("2.5d", summa), summa.ROLES),
+    "3d": Mode(_grid("3d", three_d), three_d.ROLES),
 }
 
 
@@ -134,9 +163,10 @@ def matches(pattern: str, name: str) -> bool:
 
 
 def parallelize_tp(model: nn.Module, plan: Plan, mesh: DeviceMesh, sp: bool, mode: str = "1d",
-                   dropout: DropoutRNG | None = None) -> TPContext:
-    """Apply `plan` to `model` in place over the 1-D tp `mesh`; returns the layers' shared context.
+                   dropout: DropoutRNG | None = None) -> Context:
+    """Apply `plan` to `model` in place over the tp `mesh`; returns the layers' shared context.
 
+    `mesh`: the 1-D tp mesh for "1d", the grid's sub-mesh (grid.grid_axes) otherwise.
     Run it on the meta device before activation checkpointing and data parallelism
     (materialize then fills each shard from its full, name-seeded value), or on a real
     model whose parameters are equal on every rank (each keeps its slice). `dropout`:
@@ -144,11 +174,11 @@ def parallelize_tp(model: nn.Module, plan: Plan, mesh: DeviceMesh, sp: bool, mod
     """
     if mode not in MODES:
         raise ValueError(f"tensor-parallel mode {mode!r} has no implementation; available: {', '.join(MODES)}")
-    ctx = TPContext(mesh, sp, dropout)
+    ctx = MODES[mode].context(mesh, sp, dropout)
     modules = dict(model.named_modules())
     for pattern, style in plan.items():
         for name in [n for n in modules if matches(pattern, n)]:
-            new = MODES[mode][style.role](modules[name], style, ctx)
+            new = MODES[mode].roles[style.role](modules[name], style, ctx)
             if new is not modules[name]:
                 if name == "":
                     raise ValueError("a plan's root style must modify the model in place")

@@ -4,7 +4,9 @@ The only llama file that knows about parallelism. Attention is split by heads (w
 columns, wo a row), the SwiGLU MLP by hidden features (w1/w3 columns, w2 a row), the
 embedding and output head by vocabulary; norms stay replicated and, under sequence
 parallelism, run on this rank's tokens. A tied output head shares the embedding's
-vocabulary-split weight.
+vocabulary-split weight. The same plan drives every parallel.tp_mode: under 2d / 2.5d /
+3d the grid splits heads and hidden features the same way (by head blocks), and also
+the sequences of the micro-batch.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from polytrain.config import ModelConfig
 from polytrain.distributed.rng import DropoutRNG
 from polytrain.distributed.tensor_parallel import (
     Column,
+    Context,
     Norm,
     Plan,
     Region,
@@ -53,8 +56,9 @@ def tp_plan(cfg: ModelConfig) -> Plan:
     }
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None) -> TPContext | None:
-    """Tensor/sequence parallelism over mesh["tp"] and dropout streams, in place; before data parallelism.
+def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None) -> Context | None:
+    """Tensor/sequence parallelism over the tp mesh (axis or grid) and dropout streams, in place;
+    before data parallelism.
 
     Returns the layers' shared context, or None when tp = 1. With dropout and more than
     one rank, every layout gets per-rank dropout streams (independent across data-parallel
@@ -68,7 +72,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None) -
         if dropout is not None:
             _fork_residual_stream(model, dropout)
         return None
-    ctx = parallelize_tp(model, tp_plan(cfg), mesh["tp"], dims.sp, dropout=dropout)
+    ctx = parallelize_tp(model, tp_plan(cfg), dims.tp_mesh(mesh), dims.sp, dims.tp_mode, dropout)
     if dims.sp and model.tok_embeddings is None:
         _rope_for_whole_sequence(model, ctx)
     return ctx
