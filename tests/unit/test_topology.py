@@ -42,7 +42,7 @@ def test_grad_accumulation_fills_the_global_batch():
     (6, ["--parallel.tp", "4"], "world size 6 is not divisible by parallel.tp x parallel.pp = 4 x 1"),
     (4, ["--parallel.tp", "2", "--parallel.dp", "4"], "parallel.dp = 4 does not fit world size 4"),
     (2, ["--parallel.sp", "true"], "it needs parallel.tp > 1"),
-    (4, ["--parallel.tp", "4", "--parallel.tp_mode", "2d"], "parallel.tp_mode = '2d' is not available yet"),
+    (4, ["--parallel.tp", "4", "--parallel.tp_depth", "2"], "parallel.tp_depth only applies with parallel.tp_mode = '2.5d'"),
     (2, ["--parallel.pp", "0"], "parallel.pp = 0 must be at least 1"),
 ])
 def test_inconsistent_degrees(world, args, message):

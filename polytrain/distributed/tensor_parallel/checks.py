@@ -70,7 +70,7 @@ def check_grid(cfg: Config, dp: int) -> None:
     shape = {"2d": "q x q", "2.5d": f"q x q x tp_depth ({depth})", "3d": "q x q x q"}[mode]
     q = grid_side(mode, p.tp, depth)
     if q is None:
-        sizes = grid_sizes(mode, depth, 4 * p.tp)
+        sizes = [s for s in grid_sizes(mode, depth, 4 * p.tp) if s > 1]
         near = [s for s in sizes if s < p.tp][-1:] + [s for s in sizes if s > p.tp][:1]
         raise ConfigError(f"parallel.tp = {p.tp} is not a {shape} grid (tp_mode '{mode}'); nearest valid "
                           f"{mode} sizes: {', '.join(map(str, near))}")
