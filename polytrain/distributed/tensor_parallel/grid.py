@@ -32,8 +32,6 @@ from polytrain.distributed.collectives import copy_to_tp, reduce_from_tp
 from polytrain.distributed.rng import DropoutRNG
 from polytrain.distributed.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
-GRID_MODES = ("2d", "2.5d", "3d")
-
 
 def grid_axes(mode: str, tp: int, depth: int = 1) -> dict[str, int]:
     """Mesh axis name -> size of the tp grid of `mode` (outermost first); {"tp": tp} for 1d.
