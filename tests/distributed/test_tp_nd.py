@@ -73,9 +73,45 @@ def _cases(rank: int, world_size: int, cases: list) -> list[dict]:
     return [_compare(rank, world_size, *case) for case in cases]
 
 
+def _layer_norm(rank: int, world_size: int) -> None:
+    """A LayerNorm (mean and variance, gain and bias) over a hidden split along j of a 2 x 2 grid."""
+    import torch.nn as nn
+
+    from polytrain.distributed.tensor_parallel.grid import Grid
+    from polytrain.distributed.tensor_parallel.grid_layers import GridNorm
+    from polytrain.distributed.topology import ParallelDims
+
+    dims = ParallelDims(world_size=4, dp_replicate=1, dp_shard=1, zero=0, tp=4, tp_mode="2d")
+    grid = Grid(dims.tp_mesh(dims.build_mesh("cpu")), "2d", ("tp_i",), "tp_j")
+    gen = torch.Generator().manual_seed(3)
+    ref = nn.LayerNorm(8)
+    with torch.no_grad():
+        ref.weight.normal_(generator=gen)
+        ref.bias.normal_(generator=gen)
+    norm = GridNorm(copy.deepcopy(ref), grid, "tp_j", ("tp_i",))
+    x, upstream = torch.randn(4, 3, 8, generator=gen, requires_grad=True), torch.randn(4, 3, 8, generator=gen)
+
+    def block(t: torch.Tensor) -> torch.Tensor:  # (4, 3, 8) -> this rank's (2, 3, 4): sequences i, features j
+        return t.chunk(2, 0)[grid.coord("tp_i")].chunk(2, -1)[grid.coord("tp_j")]
+
+    (ref(x) * upstream).sum().backward()
+    mine = block(x.detach()).requires_grad_()
+    out = norm(mine)
+    (out * block(upstream)).sum().backward()
+    torch.testing.assert_close(out, block(ref(x).detach()))
+    torch.testing.assert_close(mine.grad, block(x.grad))
+    torch.testing.assert_close(norm.weight.grad.full_tensor(), ref.weight.grad)
+    torch.testing.assert_close(norm.bias.grad.full_tensor(), ref.bias.grad)
+
+
+def _2d_checks(rank: int, world_size: int, cases: list) -> list[dict]:
+    _layer_norm(rank, world_size)
+    return _cases(rank, world_size, cases)
+
+
 def test_2d_layers_match_single_device_and_talk_to_row_and_column_only():
-    # GQA (2 KV heads on a 2 x 2 grid), then LayerNorm-free multi-head with more KV heads.
-    results = run_ranks(4, _cases, [("2d", 1, {}), ("2d", 1, {"n_kv_heads": 4, "ffn_dim": 96})])
+    # GQA (2 KV heads on a 2 x 2 grid), then multi-head (4 KV heads) with a wider FFN.
+    results = run_ranks(4, _2d_checks, [("2d", 1, {}), ("2d", 1, {"n_kv_heads": 4, "ffn_dim": 96})])
     for rank, (gqa, _) in enumerate(results):
         i, j = divmod(rank, 2)  # grid coordinates: tp_i outer, tp_j inner
         assert gqa["peers"] == sorted({i * 2 + (1 - j), (1 - i) * 2 + j}), "row and column peers only"

@@ -18,7 +18,9 @@ input blocks (along j) and the column's weight blocks (along i) -- what SUMMA's 
 broadcast steps deliver, in one call each. Backward follows from autograd on those
 pairs: reduce-scatters of the input gradient along j and of the weight gradient along
 i. Tesseract's d depth layers each run that on their own sequences with the same
-weight blocks, whose gradients are then summed along k.
+weight blocks, whose gradients are then summed along k. Autograd keeps the gathered row
+input (b, T, in) and column weight (out/q, in) for backward, where SUMMA would broadcast
+them again: memory traded for half the forward collectives.
 """
 
 from __future__ import annotations

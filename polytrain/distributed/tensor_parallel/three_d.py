@@ -21,7 +21,8 @@ of the activations (B, T, D) alternate (b = B / q^2, whole sequences per rank):
 
 Weights are split q^3 ways (each rank holds 1/q^3 of each), activations q^2 ways by
 sequence and q ways by feature. Colossal-AI swaps the input and output groups between
-consecutive layers the same way.
+consecutive layers the same way. Autograd keeps each linear's gathered input (B/q, T,
+in/q) and weight block (out/q, in/q) for backward rather than gathering them again.
 """
 
 from __future__ import annotations
