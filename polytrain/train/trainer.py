@@ -353,7 +353,7 @@ class Trainer:
         """Two lines on what this run is: model, layout, device, batch."""
         m, t, d = self.cfg.model, self.cfg.train, self.dims
         layout = f"{d.world_size} process(es): " + "".join(
-            f"{name} {n} x " for name, n in (("pp", d.pp), ("tp", d.tp)) if n > 1) + f"dp {d.dp}" + (
+            f"{name} {n} x " for name, n in (("pp", d.pp), (f"tp {d.tp_mode}", d.tp)) if n > 1) + f"dp {d.dp}" + (
             " (sequence parallel)" if d.sp else "") + (
             f", ZeRO-{d.zero} over {d.dp_shard}" if d.zero else "") + (
             f" (x{d.dp_replicate} replicas)" if d.zero == 3 else "")
