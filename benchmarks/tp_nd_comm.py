@@ -23,8 +23,10 @@ KV width K, vocabulary V, L blocks, f_n = (n-1)/n) come from counting each schem
 collectives (`analytic`): per linear layer in -> out,
 
     1d    2 f e N D (4L + 2) + 2 f e 3N                  (Megatron; tp_comm.analytic_bytes)
-    2d    2 f_q e (N_r in + out in / q)                   N_r = N / (dq) tokens per rank; 2.5d adds
-                                                          2 f_d e out in / q^2 (depth all-reduce of dW)
+    2d    2 f_q e (N_r in + out in / q)                   N_r = N / (dq) tokens per rank; the input
+                                                          term once per region for wq/wk/wv and w1/w3;
+                                                          2.5d adds 2 f_d e out in / q^2 (depth
+                                                          all-reduce of dW)
     3d    2 f_q e (N (in + out) / q^2 + out in / q^2)
 
 plus the embedding, norms (statistics forward and backward, gain gradients) and loss terms
@@ -88,7 +90,9 @@ def analytic(cfg, mode: str, tp: int, depth: int, e: int = 4) -> dict[str, float
         return {"bytes": sent, "peers": 3 * (q - 1), "param_bytes": e * (weights / q**3 + norms / q)}
     q = round((tp // depth) ** 0.5)
     f, fd, n = (q - 1) / q, (depth - 1) / depth, N / (depth * q)
-    sent = sum(2 * f * e * (n * i + o * i / q) + 2 * fd * e * o * i / q**2 for i, o in linears)
+    gathered = [D, D, D, F] * L + [D]  # inputs gathered along the row: regions (attention, MLP), wo, w2, head
+    sent = sum(2 * f * e * n * i for i in gathered)
+    sent += sum(2 * f * e * o * i / q + 2 * fd * e * o * i / q**2 for i, o in linears)  # W along i; dW along k
     sent += 2 * f * e * N / depth * D / q + 2 * fd * e * V * D / q**2  # embedding; its depth all-reduce
     sent += (2 * L + 1) * (4 * f * e * n + 2 * (f + fd) * e * D / q)  # norm stats; gains along i, k
     sent += 2 * f * e * 3 * n + 2 * (f + fd) * e  # loss

@@ -135,13 +135,18 @@ class ParallelDims:
 
         A tp grid's axes stand where tp would (innermost): the same ranks, split finer.
         """
-        grid = grid_axes(self.tp_mode, self.tp, self.tp_depth)
+        grid = self.tp_axes
         return init_device_mesh(device_type, (*self.shape[:-1], *grid.values()),
                                 mesh_dim_names=(*MESH_AXES[:-1], *grid))
 
     def tp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The tensor-parallel part of `mesh`: the 1-D tp axis, or the tp grid's axes."""
-        return mesh[tuple(grid_axes(self.tp_mode, self.tp, self.tp_depth))]
+        return mesh[tuple(self.tp_axes)]
+
+    @property
+    def tp_axes(self) -> dict[str, int]:
+        """The mesh axes tensor parallelism spans: a grid's under 2d / 2.5d / 3d, else {"tp": tp} (and at tp = 1)."""
+        return grid_axes(self.tp_mode if self.tp > 1 else "1d", self.tp, self.tp_depth)
 
 
 def dp_coordinates(mesh: DeviceMesh) -> tuple[int, int]:

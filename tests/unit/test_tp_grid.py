@@ -21,6 +21,9 @@ def test_grid_replaces_the_tp_axis_of_the_mesh_with_the_same_ranks():
     d = dims(8, "--parallel.tp", "4", "--parallel.tp_mode", "2d")
     assert (d.dp, d.tp, d.tp_mode) == (2, 4, "2d")
     assert d.groups("tp") == [[0, 1, 2, 3], [4, 5, 6, 7]]  # the grid's ranks: consecutive, as in 1d
+    assert d.tp_axes == {"tp_i": 2, "tp_j": 2}
+    # Without tensor parallelism a grid mode has no grid: the plain tp axis of size 1.
+    assert dims(2, "--parallel.tp_mode", "2.5d", "--parallel.tp_depth", "2").tp_axes == {"tp": 1}
 
 
 def test_grids_that_fit_pass():

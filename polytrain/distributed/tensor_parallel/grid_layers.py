@@ -99,20 +99,19 @@ def root(module: nn.Module, grid: Grid, cache_argument: str = "cache") -> nn.Mod
     return module
 
 
-def grid_roles(embedding: Callable, hidden_axis: str, batch_axes: tuple[str, ...], column: Callable,
-               row: Callable) -> dict[str, Callable]:
-    """A grid mode's plan-role implementations (plan.Mode.roles) from its layer classes.
+def grid_roles(embedding: Callable, hidden_axis: str, batch_axes: tuple[str, ...], region: Callable,
+               column: Callable, row: Callable, head: Callable) -> dict[str, Callable]:
+    """A grid mode's plan-role implementations (plan.Mode.roles) from its layers.
 
-    `column(linear, grid, unit)` also serves as the vocabulary head: the residual stream's
-    layout in, the head's logits block out. Regions need no entering or leaving: grid
-    layers keep activations in the grid's layouts.
+    `region(module, grid)` wraps a region's input (or returns the module as is),
+    `column(linear, grid, unit)`, `row(linear, grid)` and `head(linear, grid)` build the linears.
     """
     return {
         "root": lambda m, s, g: root(m, g, s.cache_argument),
         "vocab_embedding": lambda m, s, g: embedding(m, g),
         "norm": lambda m, s, g: GridNorm(m, g, hidden_axis, batch_axes),
-        "region": lambda m, s, g: m,
+        "region": lambda m, s, g: region(m, g),
         "column": lambda m, s, g: column(m, g, s.unit),
         "row": lambda m, s, g: row(m, g),
-        "vocab_head": lambda m, s, g: column(m, g, 1),
+        "vocab_head": lambda m, s, g: head(m, g),
     }

@@ -29,7 +29,8 @@ A pipeline stage's input and output hidden states are the residual stream as thi
 holds it: (B, T/tp, D) under SP (this rank's tokens), (B, T, D) otherwise.
 
 The grid modes keep every activation split over the grid (sequences by one set of grid
-axes, features by another), so Region needs no entering or leaving there, and Column
+axes, features by another), so nothing leaves a region: in 2D/2.5D a Region gathers its
+input along the grid row once for its Column layers, in 3D it is left alone, and Column
 and Row are the same grid linear (3D: its two orientations); see summa.py, three_d.py.
 """
 

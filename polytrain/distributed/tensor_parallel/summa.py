@@ -6,15 +6,18 @@ by j. Each rank gets whole sequences, so attention runs on its own sequences and
 own heads (head block j) without communication; the micro-batch must be a multiple of dq.
 
     role             weight (out, in) placement           per rank
-    column / row     out by j, in by i; depth-replicated  (b, T, in/q) -> (b, T, out/q)
+    region           none                                 input (b, T, D/q) all-gathered along j
+                                                          once: (b, T, D) for all its column layers
+    column           out by j, in by i; depth-replicated  (b, T, in) -> (b, T, out/q)
+    row              as column                            (b, T, in/q) -> (b, T, out/q)
     vocab_embedding  (V, D): V by i, D by j               tokens (B, T) -> (b, T, D/q)
     norm             (D,) by j                            (b, T, D/q) -> same; stats summed along j
-    vocab_head       as column, out = V                   (b, T, D/q) -> logits (b, T, V/q)
-    region           none: activations never leave the grid's layout
+    vocab_head       as row, out = V                      (b, T, D/q) -> logits (b, T, V/q)
     b = B / (dq)
 
 A linear is SUMMA's product Y_ij = sum_k X_ik W_kj written as two all-gathers: the row's
-input blocks (along j) and the column's weight blocks (along i) -- what SUMMA's q
+input blocks (along j; for column layers done once by their region, as wq, wk and wv
+read the same input) and the column's weight blocks (along i) -- what SUMMA's q
 broadcast steps deliver, in one call each. Backward follows from autograd on those
 pairs: reduce-scatters of the input gradient along j and of the weight gradient along
 i. Tesseract's d depth layers each run that on their own sequences with the same
@@ -46,12 +49,14 @@ LOGITS_BATCH_AXES, LOGITS_VOCAB_AXIS = ("tp_k", "tp_i"), "tp_j"
 class SummaLinear(nn.Module):
     """y = x W^T + b on the grid: weight (out, in) block [out j, in i], bias (out,) block j.
 
-    `unit`: output features that must stay on one rank (a head's head_dim).
+    `unit`: output features that must stay on one rank (a head's head_dim). `row_input`:
+    the input is already my grid row's, (b, T, in), gathered by the enclosing region.
     """
 
-    def __init__(self, linear: nn.Linear, grid: Grid, unit: int = 1):
+    def __init__(self, linear: nn.Linear, grid: Grid, unit: int = 1, row_input: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.grid = linear.in_features, linear.out_features, grid
+        self.row_input = row_input
         q = grid.q
         if self.in_features % q or self.out_features % (unit * q):
             raise ValueError(f"{grid.mode} linear ({self.in_features} -> {self.out_features}, units of {unit}) "
@@ -62,7 +67,7 @@ class SummaLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g = self.grid
         w = g.shared(self.weight.to_local(), "tp_k")  # (out/q, in/q); depth layers' gradients summed
-        x_row = gather_from_sp(x, -1, g.along("tp_j"))  # (b, T, in): my grid row's input blocks
+        x_row = x if self.row_input else gather_from_sp(x, -1, g.along("tp_j"))  # (b, T, in): my row's blocks
         w_col = gather_from_sp(w, 1, g.along("tp_i"))  # (out/q, in): my grid column's weight blocks
         b = g.shared(self.bias.to_local(), "tp_i", "tp_k") if self.bias is not None else None
         return F.linear(x_row, w_col, b)  # (b, T, out/q)
@@ -100,5 +105,18 @@ class SummaEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, grid={self.grid.mode}"
 
 
-ROLES = grid_roles(SummaEmbedding, hidden_axis="tp_j", batch_axes=("tp_i", "tp_k"),
-                   column=SummaLinear, row=SummaLinear)
+def region(module: nn.Module, grid: Grid) -> nn.Module:
+    """The module's first input (b, T, D/q) enters as my grid row's (b, T, D): one all-gather
+    along j for all its column layers; backward reduce-scatters their summed input gradients."""
+    inner = module.forward
+
+    def forward(x, *args, **kwargs):
+        return inner(gather_from_sp(x, -1, grid.along("tp_j")), *args, **kwargs)
+
+    module.forward = forward
+    return module
+
+
+ROLES = grid_roles(SummaEmbedding, hidden_axis="tp_j", batch_axes=("tp_i", "tp_k"), region=region,
+                   column=lambda m, g, unit: SummaLinear(m, g, unit, row_input=True),
+                   row=SummaLinear, head=SummaLinear)

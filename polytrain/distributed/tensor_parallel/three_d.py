@@ -112,6 +112,10 @@ class Embedding3D(nn.Module):
 
 ROLES = grid_roles(
     Embedding3D, hidden_axis="tp_l", batch_axes=("tp_i", "tp_j"),
+    # Regions stay as they are: attention reads the batch size off its input, so gathering
+    # sequences before it (as a column layer does) would have to happen inside it.
+    region=lambda m, g: m,
     column=lambda m, g, unit: Linear3D(m, g, gather="tp_j", scatter="tp_l", unit=unit),  # L0 -> L1
     row=lambda m, g: Linear3D(m, g, gather="tp_l", scatter="tp_j"),  # L1 -> L0
+    head=lambda m, g: Linear3D(m, g, gather="tp_j", scatter="tp_l"),
 )
