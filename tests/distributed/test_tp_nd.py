@@ -2,7 +2,8 @@
 
 Layer level: every rank builds the same single-device Llama and a grid-parallel copy,
 runs both on one batch and compares the loss and every parameter's gradient (gathered
-from its grid blocks), and the peers and bytes the grid collectives used.
+from its grid blocks), and the peers the grid collectives used; a LayerNorm over a hidden
+split along the grid row matches nn.LayerNorm.
 Training level: 10 steps of the trainer in each grid layout (2d alone and with dp = 2,
 2.5d, 3d) follow the single-process loss and gradient-norm curve within 1e-4
 relative, and a 2d checkpoint resumes on one process and back on a 2d grid.
