@@ -27,7 +27,7 @@ def test_run_in_this_process_passes_the_arguments_on():
 def test_two_workers_run_ddp_over_nccl_on_gloo():
     proc = polytrain("run", "--nproc", "2", str(PROGRAMS / "ddp_cuda.py"))
     assert proc.returncode == 0, proc.stderr
-    lines = sorted(re.findall(r"rank (\d) device (\d) sum (\d+) params (\S+)", proc.stdout))
+    lines = sorted(re.findall(r"rank (\d) device (\d) sum (\d+) params (-?\d+\.\d{6})", proc.stdout))
     assert [line[:3] for line in lines] == [("0", "0", "3"), ("1", "1", "3")]
     assert lines[0][3] == lines[1][3]  # DDP averaged the gradients: identical replicas
     assert proc.stderr.count("torch.cuda -> cpu") == 1  # rank 0 says it, once
