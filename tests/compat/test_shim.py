@@ -40,6 +40,14 @@ def test_cuda_device_names_create_tensors_on_the_accelerator(shim):
     assert not x.is_cuda and x.device.type == "cpu"  # a tensor's own device is the truth
 
 
+def test_device_contexts_meta_and_cuda(shim):
+    with torch.device("meta"):  # e.g. polytrain's own meta-device build of big models
+        assert torch.nn.Linear(4096, 4096).weight.device.type == "meta"
+        assert torch.zeros(2).device.type == "meta"
+    with torch.device("cuda:1"):
+        assert torch.zeros(2).device.type == "cpu"
+
+
 def test_pinning_is_a_no_op_without_a_device_to_copy_to(shim):
     x = torch.ones(4)
     assert x.pin_memory() is x and not x.is_pinned()

@@ -13,6 +13,7 @@ import re
 from typing import Any, Callable
 
 import torch
+import torch.utils._device  # `with torch.device(...)` support; loaded on first use otherwise
 
 from polytrain.backend.base import Accelerator
 from polytrain.backend.compat.patcher import Patcher
@@ -67,9 +68,9 @@ class DeviceMap:
             return value
         if isinstance(value, str):
             match = _CUDA_DEVICE.match(value)
-            value = torch.device(value) if match is None else value
             if match is not None:
                 return int(match[1]) if match[1] else None
+            value = torch.device(value)
         if isinstance(value, torch.device):
             return value.index
         return None
@@ -112,10 +113,10 @@ def _map_to(dm: DeviceMap, to: Callable) -> Callable:
     return wrapper
 
 
-def _first_arg(dm: DeviceMap, fn: Callable, ints: bool = True) -> Callable:
+def _first_arg(dm: DeviceMap, fn: Callable) -> Callable:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if args:
-            args = (dm.map(args[0], ints=ints), *args[1:])
+            args = (dm.map(args[0]), *args[1:])
         return fn(*args, **kwargs)
 
     wrapper.__name__, wrapper.__doc__ = fn.__name__, fn.__doc__
@@ -125,6 +126,12 @@ def _first_arg(dm: DeviceMap, fn: Callable, ints: bool = True) -> Callable:
 def install(p: Patcher, dm: DeviceMap) -> None:
     """Patch torch so CUDA device names reach the accelerator."""
     acc = dm.acc
+    # `with torch.device(d):` fills in device=d for the factories in this cached set, matched
+    # by identity with the function torch dispatches, which stays the original under our
+    # wrapper: fill the cache with the originals before wrapping them, or `with
+    # torch.device("meta")` would silently build on the host instead.
+    torch.utils._device._device_constructors()
+    p.wrap_arguments((torch.utils._device.DeviceContext,), "__init__", _map_device_argument(dm))
     for name in FACTORIES:
         if hasattr(torch, name):
             p.wrap(torch, name, lambda fn: _map_kwarg(dm, fn))
@@ -142,6 +149,12 @@ def install(p: Patcher, dm: DeviceMap) -> None:
                                                             else dm.device(None)))
     _install_pinning(p, dm, acc)
     _install_amp(p, dm)
+
+
+def _map_device_argument(dm: DeviceMap) -> Callable[[dict[str, Any]], None]:
+    def transform(arguments: dict[str, Any]) -> None:
+        arguments["device"] = dm.map(arguments["device"])
+    return transform
 
 
 def _load(dm: DeviceMap, load: Callable) -> Callable:
