@@ -15,16 +15,15 @@ import torch
 from polytrain.backend.host_device import HostDevice
 
 IMPORTS = globals().get("IMPORTS", 0) + 1
-# What torch_npu and friends do: name the PrivateUse1 device (once per process) and add
-# torch.<name>, a module with torch.cuda's names.
-if torch._C._get_privateuse1_backend_name() == "privateuseone":
-    torch.utils.rename_privateuse1_backend("fakedev")
-torch.fakedev = HostDevice()
+# What torch_npu and friends do: add torch.<device type>, a module with torch.cuda's names.
+# (They also rename the PrivateUse1 device to their name; that cannot be undone within a
+# process and makes torch.accelerator report the device, so the stand-in keeps torch's name.)
+torch.privateuseone = HostDevice()
 """
 
 
 class FakeDevAccelerator(TorchDeviceAccelerator):
-    name, device_type, dist_backend, vendor_module = "fakedev", "fakedev", "gloo", "torch_fakedev"
+    name, device_type, dist_backend, vendor_module = "fakedev", "privateuseone", "gloo", "torch_fakedev"
 
 
 @pytest.fixture
@@ -34,8 +33,8 @@ def vendor(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     yield tmp_path
     sys.modules.pop("torch_fakedev", None)
-    if hasattr(torch, "fakedev"):
-        del torch.fakedev
+    if hasattr(torch, "privateuseone"):
+        del torch.privateuseone
 
 
 def test_missing_vendor_package_is_named_and_nothing_is_imported():
@@ -61,12 +60,12 @@ def test_a_broken_vendor_install_disables_only_that_backend(tmp_path, monkeypatc
 def test_every_accelerator_call_goes_to_the_device_module(vendor, monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     acc = FakeDevAccelerator()
-    assert acc.device_module() is torch.fakedev
+    assert acc.device_module() is torch.privateuseone
     assert acc.device_count() == 2
     acc.set_device(1)
-    assert torch.fakedev.current_device() == 1
-    assert acc.device() == torch.device("fakedev", 1)
-    assert acc.device(0) == torch.device("fakedev", 0)
+    assert torch.privateuseone.current_device() == 1
+    assert acc.device() == torch.device("privateuseone", 1)
+    assert acc.device(0) == torch.device("privateuseone", 0)
     acc.synchronize()
     acc.manual_seed(5)
     state = acc.get_rng_state()
@@ -80,7 +79,7 @@ def test_every_accelerator_call_goes_to_the_device_module(vendor, monkeypatch):
         time.sleep(0.03)
     assert 0.025 <= t.elapsed_s < 0.5
     assert acc.autocast_dtypes() == (torch.bfloat16, torch.float16)
-    assert acc.device_name() == torch.fakedev.get_device_name()
+    assert acc.device_name() == torch.privateuseone.get_device_name()
     assert acc.peak_flops(torch.bfloat16) is None  # unknown: MFU is reported as null
 
 
