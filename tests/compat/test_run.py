@@ -33,10 +33,13 @@ def test_two_workers_run_ddp_over_nccl_on_gloo():
     assert proc.stderr.count("torch.cuda -> cpu") == 1  # rank 0 says it, once
 
 
-def test_module_form_and_auto_import():
+def test_module_form_and_auto_import(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "polytrain.compat", str(PROGRAMS / "cuda_basics.py")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and json.loads(proc.stdout.splitlines()[-1])["device"] == "cpu"
+    (tmp_path / "in.json").write_text('{"b": 1, "a": [2]}')
+    proc = polytrain("run", "-m", "json.tool", "--sort-keys", "--compact", str(tmp_path / "in.json"))
+    assert proc.returncode == 0 and proc.stdout.strip() == '{"a":[2],"b":1}', proc.stderr
     proc = subprocess.run([sys.executable, str(PROGRAMS / "auto_cuda.py")], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
