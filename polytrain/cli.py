@@ -1,9 +1,10 @@
-"""`polytrain` command line: train, generate, prepare, consolidate.
+"""`polytrain` command line: train, generate, prepare, consolidate, run.
 
     polytrain train [--config FILE.toml] [--deepspeed_config ds_config.json] [--section.key VALUE ...]
     polytrain generate RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
     polytrain prepare SOURCE OUT.bin [--vocab-size N] [--tokenizer bpe|PATH] [--val-fraction F]
     polytrain consolidate CHECKPOINT_DIR OUT [--dtype fp32|bf16|fp16] [--format safetensors|pt]
+    polytrain run [--nproc N] SCRIPT [ARGS...]    (or -m MODULE [ARGS...]): a CUDA program, unchanged
 
 Errors a user can fix print one line starting with "error:" and exit with status 2.
 """
@@ -98,7 +99,45 @@ def _consolidate(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "generate": _generate, "prepare": _prepare, "consolidate": _consolidate}
+def _run(argv: list[str]) -> int:
+    """Options up to the program's name are ours; everything from it on is the program's."""
+    usage = ("usage: polytrain run [--nproc N] SCRIPT [ARGS...]\n"
+             "       polytrain run [--nproc N] -m MODULE [ARGS...]\n\n"
+             "Runs a program written for CUDA on the detected accelerator (POLYTRAIN_ACCELERATOR\n"
+             "overrides), with CUDA's device module, devices and NCCL mapped onto it (docs/COMPAT.md).\n"
+             "--nproc N starts N workers like torchrun; without it the program runs in this process.")
+    nproc, i = None, 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "-m":
+        if argv[i] in ("-h", "--help"):
+            print(usage)
+            return 0
+        option, _, value = argv[i].partition("=")
+        if option != "--nproc":
+            raise PolytrainError(f"polytrain run: unknown option {argv[i]} (only --nproc N comes "
+                                 f"before the program; its own options come after it)")
+        if not value:
+            i += 1
+            value = argv[i] if i < len(argv) else ""
+        if not value.isdigit() or int(value) < 1:
+            raise PolytrainError(f"polytrain run: --nproc needs a positive number, got {value!r}")
+        nproc, i = int(value), i + 1
+    program = argv[i:]
+    if not program or program == ["-m"]:
+        raise PolytrainError("polytrain run: name the program (SCRIPT [ARGS...] or -m MODULE [ARGS...])")
+    if program[0] != "-m" and not os.path.isfile(program[0]):
+        raise PolytrainError(f"no such script: {program[0]}")  # once, not once per worker
+
+    from polytrain.compat.__main__ import main as run_here
+
+    if nproc is None or "WORLD_SIZE" in os.environ:  # already one worker of a torchrun job
+        return run_here(program)
+    from polytrain.train.launch import launch_local_workers
+
+    return launch_local_workers(nproc, program, module="polytrain.compat")
+
+
+COMMANDS = {"train": _train, "generate": _generate, "prepare": _prepare,
+            "consolidate": _consolidate, "run": _run}
 
 
 def main(argv: list[str] | None = None) -> int:
