@@ -63,7 +63,7 @@ class ModelConfig:
     n_heads: int = 0
     """Attention query heads (0 = from the size preset)."""
     n_kv_heads: int = 0
-    """Key/value heads for grouped-query attention; divides n_heads (0 = from the size preset)."""
+    """Key/value heads for grouped-query attention; divides n_heads (0 = from the size preset, else n_heads)."""
     ffn_dim: int = 0
     """SwiGLU hidden size (0 = from the size preset)."""
     vocab_size: int = 0
@@ -383,6 +383,8 @@ def resolve_model(cfg: Config) -> None:
     for name, value in presets[m.size].items():
         if getattr(m, name) == 0:
             setattr(m, name, value)
+    if m.n_kv_heads == 0:
+        m.n_kv_heads = m.n_heads
     if m.max_seq_len == 0:
         m.max_seq_len = cfg.data.seq_len
 
@@ -440,7 +442,7 @@ def _validate_model(m: ModelConfig) -> None:
                           "(or set model.head_dim)")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads = {m.n_kv_heads} must divide model.n_heads = {m.n_heads}")
-    if arch.kind != "decoder" and m.n_kv_heads != m.n_heads:
+    if not arch.gqa and m.n_kv_heads != m.n_heads:
         raise ConfigError(f"model.n_kv_heads = {m.n_kv_heads}: {m.arch} has no grouped-query attention; "
                           f"set it to model.n_heads = {m.n_heads}")
     head_dim = m.head_dim or m.dim // m.n_heads

@@ -36,6 +36,8 @@ class Architecture:
     """Rotary positions (the rope_* fields apply)."""
     gated: bool | None = True
     """Feed-forward always gated (True), never (False), or as model.gated_ffn says (None)."""
+    gqa: bool = True
+    """Grouped-query attention (n_kv_heads < n_heads) is possible."""
     defaults: dict[str, Any] = field(default_factory=dict)
     """ModelConfig fields this architecture sets before the user's TOML and overrides."""
     hf_model_types: tuple[str, ...] = ()
@@ -50,8 +52,10 @@ class Architecture:
 
 
 def _preset(dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_size, **extra):
-    return dict(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                ffn_dim=ffn_dim, vocab_size=vocab_size, **extra)
+    """n_kv_heads None: left out, so it follows n_heads (architectures without grouped-query attention)."""
+    kv = {} if n_kv_heads is None else {"n_kv_heads": n_kv_heads}
+    return dict(dim=dim, n_layers=n_layers, n_heads=n_heads, **kv, ffn_dim=ffn_dim, vocab_size=vocab_size,
+                **extra)
 
 
 LLAMA_PRESETS = {
@@ -72,26 +76,26 @@ INTERNLM2_PRESETS = {
 }
 
 GPT2_PRESETS = {
-    "tiny": _preset(192, 4, 6, 6, 768, 4096),
-    "small": _preset(384, 6, 6, 6, 1536, 8192),
-    "124m": _preset(768, 12, 12, 12, 3072, 50257),   # GPT-2
-    "355m": _preset(1024, 24, 16, 16, 4096, 50257),  # GPT-2 medium
-    "774m": _preset(1280, 36, 20, 20, 5120, 50257),  # GPT-2 large
-    "1.5b": _preset(1600, 48, 25, 25, 6400, 50257),  # GPT-2 XL
+    "tiny": _preset(192, 4, 6, None, 768, 4096),
+    "small": _preset(384, 6, 6, None, 1536, 8192),
+    "124m": _preset(768, 12, 12, None, 3072, 50257),   # GPT-2
+    "355m": _preset(1024, 24, 16, None, 4096, 50257),  # GPT-2 medium
+    "774m": _preset(1280, 36, 20, None, 5120, 50257),  # GPT-2 large
+    "1.5b": _preset(1600, 48, 25, None, 6400, 50257),  # GPT-2 XL
 }
 
 BERT_PRESETS = {
-    "tiny": _preset(192, 4, 6, 6, 768, 4096),
-    "small": _preset(384, 6, 6, 6, 1536, 8192),
-    "base": _preset(768, 12, 12, 12, 3072, 30522),   # bert-base
-    "large": _preset(1024, 24, 16, 16, 4096, 30522),  # bert-large
+    "tiny": _preset(192, 4, 6, None, 768, 4096),
+    "small": _preset(384, 6, 6, None, 1536, 8192),
+    "base": _preset(768, 12, 12, None, 3072, 30522),   # bert-base
+    "large": _preset(1024, 24, 16, None, 4096, 30522),  # bert-large
 }
 
 T5_PRESETS = {  # n_layers counts the encoder's blocks; the decoder has as many
-    "tiny": _preset(192, 4, 6, 6, 512, 4096),
-    "small": _preset(512, 8, 6, 6, 1024, 32128, head_dim=64),     # t5-v1_1-small shape
-    "base": _preset(768, 12, 12, 12, 2048, 32128, head_dim=64),   # t5-v1_1-base shape
-    "large": _preset(1024, 24, 16, 16, 2816, 32128, head_dim=64),  # t5-v1_1-large shape
+    "tiny": _preset(192, 4, 6, None, 512, 4096),
+    "small": _preset(512, 8, 6, None, 1024, 32128, head_dim=64),     # t5-v1_1-small shape
+    "base": _preset(768, 12, 12, None, 2048, 32128, head_dim=64),   # t5-v1_1-base shape
+    "large": _preset(1024, 24, 16, None, 2816, 32128, head_dim=64),  # t5-v1_1-large shape
 }
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -100,16 +104,16 @@ ARCHITECTURES: dict[str, Architecture] = {
     "internlm2": Architecture(presets=INTERNLM2_PRESETS, module="polytrain.models.internlm2.model",
                               defaults={"rope_theta": 1_000_000.0}, hf_model_types=("internlm2",)),
     "gpt2": Architecture(presets=GPT2_PRESETS, module="polytrain.models.gpt2.model", rope=False,
-                         gated=False, hf_model_types=("gpt2",),
+                         gated=False, gqa=False, hf_model_types=("gpt2",),
                          defaults={"activation": "gelu_tanh", "gated_ffn": False, "tie_embeddings": True}),
     "bert": Architecture(presets=BERT_PRESETS, module="polytrain.models.bert.model", kind="encoder",
-                         rope=False, gated=False, hf_model_types=("bert",),
+                         rope=False, gated=False, gqa=False, hf_model_types=("bert",),
                          defaults={"activation": "gelu", "gated_ffn": False, "tie_embeddings": True,
                                    "norm_eps": 1e-12}),
     # T5 v1.1 by default: gated GELU, untied output; v1.0 = activation relu, gated_ffn false,
     # tie_embeddings true, output_scale true.
     "t5": Architecture(presets=T5_PRESETS, module="polytrain.models.t5.model", kind="encoder-decoder",
-                       rope=False, gated=None, hf_model_types=("t5",),
+                       rope=False, gated=None, gqa=False, hf_model_types=("t5",),
                        defaults={"activation": "gelu_tanh", "gated_ffn": True, "tie_embeddings": False,
                                  "norm_eps": 1e-6}),
 }
