@@ -1,9 +1,10 @@
-"""`polytrain` command line: train, generate, prepare, consolidate.
+"""`polytrain` command line: train, generate, prepare, consolidate, convert.
 
     polytrain train [--config FILE.toml] [--deepspeed_config ds_config.json] [--section.key VALUE ...]
     polytrain generate RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
     polytrain prepare SOURCE OUT.bin [--vocab-size N] [--tokenizer bpe|PATH] [--val-fraction F]
     polytrain consolidate CHECKPOINT_DIR OUT [--dtype fp32|bf16|fp16] [--format safetensors|pt]
+    polytrain convert HF_DIR OUT_DIR | polytrain convert --to hf RUN_OR_CHECKPOINT OUT_DIR [--dtype ...]
 
 Errors a user can fix print one line starting with "error:" and exit with status 2.
 """
@@ -98,7 +99,31 @@ def _consolidate(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "generate": _generate, "prepare": _prepare, "consolidate": _consolidate}
+def _convert(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="polytrain convert",
+        description="Hugging Face model directory -> polytrain run directory (default), or back with --to hf.")
+    parser.add_argument("source", help="an HF directory (config.json + safetensors/.bin), or with --to hf "
+                                       "a run directory or one of its checkpoints/step_<N>")
+    parser.add_argument("out", help="directory to write (a new run directory, or the HF directory)")
+    parser.add_argument("--to", choices=("polytrain", "hf"), default="polytrain")
+    parser.add_argument("--dtype", default=None, help="--to hf: fp32, bf16 or fp16 (default: as stored)")
+    args = parser.parse_args(argv)
+
+    from polytrain.convert import export_hf, import_hf
+
+    if args.to == "hf":
+        out = export_hf(args.source, args.out, dtype=args.dtype)
+        print(f"wrote {out / 'model.safetensors'} and {out / 'config.json'}")
+    else:
+        out = import_hf(args.source, args.out)
+        print(f"wrote run directory {out}: polytrain generate {out} --prompt ...; "
+              f"polytrain train --config {out / 'config.toml'}")
+    return 0
+
+
+COMMANDS = {"train": _train, "generate": _generate, "prepare": _prepare, "consolidate": _consolidate,
+            "convert": _convert}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ from polytrain.data.atomic import write_text_atomic
 
 EOT = "<|endoftext|>"
 # End-of-text tokens of common tokenizer.json files, tried in order for `eot_id`.
-_EOT_NAMES = (EOT, "<|end_of_text|>", "</s>", "<eos>")
+_EOT_NAMES = (EOT, "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
 MIN_BPE_VOCAB = 257
 """256 byte symbols + <|endoftext|>."""
 

@@ -1,4 +1,8 @@
-"""Load a trained run (config.toml, tokenizer.json, newest checkpoint) for generation."""
+"""Load a model for inference: a polytrain run (config.toml, tokenizer.json, newest checkpoint),
+one of its checkpoints, or a Hugging Face model directory.
+
+    model, tokenizer = polytrain.load("runs/default")        # or runs/x/checkpoints/step_200, or an HF dir
+"""
 
 from __future__ import annotations
 
@@ -34,15 +38,41 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> Loade
     if path is None:
         raise CheckpointError(f"{run_dir} has no complete checkpoint under checkpoints/")
     device = get_accelerator().device()
-    with torch.device(device):
+    with torch.device("meta"):  # no random init of weights about to be overwritten
         model = ARCHITECTURES[cfg.model.arch].build(cfg.model)
+    model.to_empty(device=device)
+    model.init_buffers()
     load_model_weights(path, model)
     return LoadedRun(cfg, model.eval(), Tokenizer.load(run_dir / "tokenizer.json"), path)
+
+
+def load(path: str | Path, device: torch.device | str | None = None):
+    """(model, tokenizer) from a run directory, a checkpoint step_<N> directory or a Hugging Face
+    model directory (converted in memory); the model in eval mode on `device` (default: the
+    accelerator's). The tokenizer is None for an HF directory without tokenizer.json."""
+    from polytrain.convert import load_hf
+    from polytrain.train.checkpoint import STATE_FILE
+
+    path = Path(path)
+    if (path / "config.toml").is_file():
+        run = load_run(path)
+    elif (path / STATE_FILE).is_file():
+        run = load_run(path.parent.parent, path)
+    elif (path / "config.json").is_file():
+        return load_hf(path, device or get_accelerator().device())
+    else:
+        raise ConfigError(f"{path} is not a polytrain run, a checkpoint or a Hugging Face model directory "
+                          "(no config.toml, trainer.json or config.json)")
+    return (run.model.to(device) if device is not None else run.model), run.tokenizer
 
 
 def generate_text(run: LoadedRun, prompt: str, max_new_tokens: int, *, temperature: float = 0.8,
                   top_k: int | None = None, top_p: float | None = None, seed: int = 0) -> str:
     """`prompt` followed by up to `max_new_tokens` sampled tokens (fewer if the model's context ends)."""
+    kind = ARCHITECTURES[run.cfg.model.arch].kind
+    if kind != "decoder":
+        raise ConfigError(f"text generation needs a decoder (llama, gpt2, internlm2); "
+                          f"{run.cfg.model.arch} is an {kind} model")
     ids = run.tokenizer.encode(prompt)
     room = run.cfg.model.max_seq_len - len(ids)
     if room <= 0:

@@ -154,6 +154,10 @@ class Trainer:
         state = self.checkpointer.load(path, self.dp, self._trainer_state())
         for group, values in zip(self.optimizer.param_groups, hyper):
             group.update(values)
+        if state.weights_only:  # an imported model: its weights, then a fresh run from step 0
+            if self.world.is_main:
+                print(f"initialised from the weights of {path}", flush=True)
+            return 0
         self.sampler.load_state_dict(state.sampler)
         if self.scaler is not None and state.loss_scaler is not None:
             self.scaler.load_state_dict(state.loss_scaler)
