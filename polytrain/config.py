@@ -114,6 +114,10 @@ class DataConfig:
     """Tokens per training sequence."""
     val_fraction: float = 0.02
     """Share of documents held out for validation (chosen by a hash of the document name)."""
+    mask_fraction: float = 0.15
+    """mlm: share of each sequence's tokens scored (80% [MASK], 10% random, 10% kept); span: share cut out."""
+    mean_span_length: float = 3.0
+    """span (T5): mean length of the cut-out spans, each replaced by one sentinel."""
 
 
 @dataclass
@@ -162,6 +166,8 @@ class TrainConfig:
     """ds_* schedules: learning rate at the start of the warmup."""
     schedule_steps: int = 0
     """ds_warmup_decay / ds_warmup_cosine: step where the decay ends (0 = run.steps)."""
+    objective: str = _choices("auto", "causal", "mlm", "span")
+    """Pre-training objective: causal (decoders), mlm (bert), span corruption (t5); auto = the architecture's."""
     activation_checkpoint: str = _choices("none", "full", "selective")
     """Recompute activations in backward to save memory: full = each block, selective = the attention core."""
 
@@ -402,6 +408,9 @@ def validate(cfg: Config) -> None:
         if value <= 0:
             raise ConfigError(f"{key} = {value} must be positive")
     _validate_model(m)
+    from polytrain.data.objectives import objective_name
+
+    objective_name(cfg)  # the objective must fit the architecture
     if cfg.data.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len = {cfg.data.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
     if t.global_batch_size % t.micro_batch_size:
@@ -409,6 +418,9 @@ def validate(cfg: Config) -> None:
             f"train.global_batch_size = {t.global_batch_size} must be a multiple of "
             f"train.micro_batch_size = {t.micro_batch_size}; try {_nearest_multiple(t.global_batch_size, t.micro_batch_size)}"
         )
+    if not 0 < cfg.data.mask_fraction < 1 or cfg.data.mean_span_length < 1:
+        raise ConfigError(f"data.mask_fraction = {cfg.data.mask_fraction} must be in (0, 1) and "
+                          f"data.mean_span_length = {cfg.data.mean_span_length} at least 1")
     if not 0 < cfg.data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction = {cfg.data.val_fraction} must be in (0, 1): validation needs data")
     if t.lr_schedule == "cosine" and t.warmup_type != "linear":

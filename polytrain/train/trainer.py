@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from polytrain.backend import get_accelerator
 from polytrain.config import Config, ConfigError, to_toml
 from polytrain.data import GlobalBatchSampler, TokenDataset, prepare_corpus, val_batches
+from polytrain.data.objectives import build_objective, reserved_ids
 from polytrain.distributed.activation_checkpoint import apply_activation_checkpointing
 from polytrain.distributed.data_parallel import build_data_parallel
 from polytrain.distributed.materialize import materialize
@@ -61,6 +62,8 @@ class Trainer:
         self.acc.manual_seed(cfg.run.seed)
         self.corpus = self._prepare_corpus()
         self.tokenizer = self.corpus.tokenizer
+        # What the model reads and the loss scores: causal LM, BERT's masked LM or T5's span corruption.
+        self.objective = build_objective(cfg, self.tokenizer)
         self.dp = build_data_parallel(self.dims, self.mesh, cfg.parallel, run_dir=self.run_dir)
         self.model = self._build_model()
         self.loss_fn = causal_lm_loss
@@ -105,14 +108,18 @@ class Trainer:
     def _prepare_corpus(self):
         # Rank 0 trains the tokenizer and tokenizes once; the others then hit the cache.
         if self.world.is_main:
-            corpus = prepare_corpus(self.cfg.data, self.cfg.model.vocab_size)
+            corpus = prepare_corpus(self.cfg.data, self._tokenizer_vocab())
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
             corpus.tokenizer.save(self.run_dir / "tokenizer.json")
         barrier()
         if not self.world.is_main:
-            corpus = prepare_corpus(self.cfg.data, self.cfg.model.vocab_size)
+            corpus = prepare_corpus(self.cfg.data, self._tokenizer_vocab())
         return corpus
+
+    def _tokenizer_vocab(self) -> int:
+        # The objective's special ids ([MASK], T5's sentinels) take the top of the model's vocabulary.
+        return self.cfg.model.vocab_size - reserved_ids(self.cfg)
 
     def _build_model(self) -> torch.nn.Module:
         """Meta-device model -> activation checkpointing -> data parallel -> real weights."""
@@ -179,10 +186,11 @@ class Trainer:
 
     def _loss(self, indices: list[int], data: TokenDataset) -> torch.Tensor:
         inputs, targets = data.get_batch(indices)  # (B, T) each
-        inputs = inputs.to(self.device, non_blocking=True)
+        args, targets = self.objective.batch(inputs, targets, indices)  # model inputs; -100 = not scored
+        args = [a.to(self.device, non_blocking=True) for a in args]
         targets = targets.to(self.device, non_blocking=True)
         with self.acc.autocast(self.autocast_dtype):
-            logits = self.model(inputs)  # (B, T, V)
+            logits = self.model(*args)  # (B, T', V)
         return self.loss_fn(logits, targets)
 
     def train_step(self) -> dict[str, float]:
@@ -295,7 +303,7 @@ class Trainer:
         last_val = self.evaluate()
         self.metrics.log({"step": self.step, "val_loss": last_val, "time": time.perf_counter() - start})
         checkpoint = self.save() if saved_step != self.step else latest_checkpoint(self.run_dir)
-        sample = self.sample() if cfg.run.sample_tokens > 0 else ""
+        sample = self.sample() if cfg.run.sample_tokens > 0 and self.objective.name == "causal" else ""
         if main:
             plot_loss(self.run_dir)
         self.close()
