@@ -30,6 +30,7 @@ from polytrain.config import Config
 from polytrain.errors import ConfigError
 from polytrain.models import ARCHITECTURES
 from polytrain.models.common.init import seed_for
+from polytrain.models.t5.model import DECODER_START
 
 IGNORE = -100  # F.cross_entropy's ignore_index
 OBJECTIVE_OF_KIND = {"decoder": "causal", "encoder": "mlm", "encoder-decoder": "span"}
@@ -143,7 +144,7 @@ class SpanCorruption:
     def batch(self, inputs: torch.Tensor, targets: torch.Tensor, indices: Sequence[int]):
         """((encoder input (B, T - noise + spans), decoder input (B, noise + spans + 1)), targets).
 
-        The decoder input is the targets shifted right behind eos (the start token).
+        The decoder input is the targets shifted right behind the start token (id 0, T5's).
         """
         T = inputs.shape[1]
         noise, spans = span_counts(T, self.density, self.mean_span)
@@ -160,7 +161,7 @@ class SpanCorruption:
             enc.append(e)
             dec.append(d + [self.eos_id])
         targets = torch.tensor(dec)  # (B, noise + spans + 1)
-        start = torch.full((len(dec), 1), self.eos_id)
+        start = torch.full((len(dec), 1), DECODER_START)
         return (torch.tensor(enc), torch.cat([start, targets[:, :-1]], 1)), targets
 
 

@@ -53,6 +53,14 @@ class Tokenizer:
         """Token ids of `text` (no special tokens added)."""
         return self.hf.encode(text, add_special_tokens=False).ids
 
+    def encode_chat(self, text: str) -> list[int]:
+        """Token ids of text in which special tokens (a chat template's <|im_start|>, ...) are themselves."""
+        self.hf.encode_special_tokens = False
+        try:
+            return self.hf.encode(text, add_special_tokens=False).ids
+        finally:
+            self.hf.encode_special_tokens = True
+
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text, encoded in parallel threads."""
         # encode_batch_fast skips character offsets, about twice as fast; tokenizers >= 0.20.

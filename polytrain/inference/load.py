@@ -15,8 +15,9 @@ from polytrain.backend import get_accelerator
 from polytrain.config import Config, load_config
 from polytrain.data.tokenizer import Tokenizer
 from polytrain.errors import CheckpointError, ConfigError
-from polytrain.inference.generate import generate
+from polytrain.inference.generate import generate, generate_seq2seq
 from polytrain.models import ARCHITECTURES
+from polytrain.models.t5.model import DECODER_START
 from polytrain.train.checkpoint import latest_checkpoint, load_model_weights
 
 
@@ -68,17 +69,31 @@ def load(path: str | Path, device: torch.device | str | None = None):
 
 def generate_text(run: LoadedRun, prompt: str, max_new_tokens: int, *, temperature: float = 0.8,
                   top_k: int | None = None, top_p: float | None = None, seed: int = 0) -> str:
-    """`prompt` followed by up to `max_new_tokens` sampled tokens (fewer if the model's context ends)."""
+    """`prompt` followed by up to `max_new_tokens` sampled tokens (fewer if the model's context ends);
+    for an encoder-decoder, the decoder's text for the encoded prompt."""
     kind = ARCHITECTURES[run.cfg.model.arch].kind
-    if kind != "decoder":
-        raise ConfigError(f"text generation needs a decoder (llama, gpt2, internlm2); "
-                          f"{run.cfg.model.arch} is an {kind} model")
+    if kind == "encoder":
+        raise ConfigError(f"text generation needs a decoder or an encoder-decoder; {run.cfg.model.arch} "
+                          "is an encoder (masked LM)")
     ids = run.tokenizer.encode(prompt)
+    device = next(run.model.parameters()).device
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, stop_tokens=stop_tokens(run.tokenizer),
+                    generator=torch.Generator(device=device).manual_seed(seed))
+    if kind == "encoder-decoder":
+        new = generate_seq2seq(run.model, [ids], max_new_tokens, start_token=DECODER_START, **sampling)
+        return run.tokenizer.decode(new[0])
     room = run.cfg.model.max_seq_len - len(ids)
     if room <= 0:
         raise ConfigError(f"the prompt is {len(ids)} tokens; this model's context is {run.cfg.model.max_seq_len}")
-    device = next(run.model.parameters()).device
-    new = generate(run.model, [ids], min(max_new_tokens, room), temperature=temperature, top_k=top_k,
-                   top_p=top_p, stop_tokens={run.tokenizer.eot_id},
-                   generator=torch.Generator(device=device).manual_seed(seed))
+    new = generate(run.model, [ids], min(max_new_tokens, room), **sampling)
     return prompt + run.tokenizer.decode(new[0])
+
+
+# End-of-turn tokens of common chat formats (ChatML's, Llama 3's), besides end-of-text.
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>")
+
+
+def stop_tokens(tokenizer: Tokenizer) -> set[int]:
+    """End-of-text and, where the vocabulary has them, the end-of-turn tokens of chat formats."""
+    ids = {tokenizer.hf.token_to_id(name) for name in _END_OF_TURN}
+    return {tokenizer.eot_id} | {i for i in ids if i is not None}

@@ -48,14 +48,14 @@ def test_masks_depend_on_the_sample_not_the_batch_or_layout():
 
 def test_span_corruption_cuts_spans_and_the_targets_restore_them():
     sentinels = [VOCAB - 1 - k for k in range(30)]
-    span = SpanCorruption(sentinels, 0.15, 3.0, seed=1, eos_id=0)
+    span = SpanCorruption(sentinels, 0.15, 3.0, seed=1, eos_id=7)
     x = windows(50, 200)
     (enc, dec_in), targets = span.batch(x, x, range(50))
     noise, spans = span_counts(200, 0.15, 3.0)
     assert (noise, spans) == (30, 10)
     assert enc.shape == (50, 200 - noise + spans) and targets.shape == (50, noise + spans + 1)
-    assert (targets[:, -1] == 0).all() and (dec_in[:, 0] == 0).all()
-    assert torch.equal(dec_in[:, 1:], targets[:, :-1])  # the targets shifted right behind eos
+    assert (targets[:, -1] == 7).all() and (dec_in[:, 0] == 0).all()  # ends with eos; starts from id 0
+    assert torch.equal(dec_in[:, 1:], targets[:, :-1])  # the targets shifted right behind the start
     for row in range(50):
         e, t = enc[row].tolist(), targets[row, :-1].tolist()
         assert e.count(sentinels[0]) == 1 and e[-1] == sentinels[spans - 1]  # ends with the last cut

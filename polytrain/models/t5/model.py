@@ -32,6 +32,8 @@ from polytrain.models.common.mlp import FeedForward
 from polytrain.models.common.norms import RMSNorm
 
 REQUIRED = ("dim", "n_layers", "n_heads", "ffn_dim", "vocab_size", "max_seq_len")
+DECODER_START = 0
+"""The decoder's first input token: T5's decoder_start_token_id (its pad id; <|endoftext|> in polytrain's BPE)."""
 
 
 def relative_position_bucket(rel: torch.Tensor, bidirectional: bool, num_buckets: int,
