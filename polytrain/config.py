@@ -55,7 +55,7 @@ class ModelConfig:
     arch: str = "llama"
     """Model architecture; see polytrain.models.ARCHITECTURES."""
     size: str = "tiny"
-    """Size preset of the architecture (llama: tiny ~3M, small ~16M, 125m, 350m, 1b, 7b; custom = none); fields set below win."""
+    """Size preset of the architecture (llama: tiny ~3M, small ~16M, 125m, 350m, 1b, 7b; custom = none)."""
     dim: int = 0
     """Hidden size (0 = from the size preset)."""
     n_layers: int = 0
@@ -81,7 +81,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     """RoPE base frequency."""
     rope_scaling: str = _choices("none", "linear", "dynamic", "llama3")
-    """RoPE context extension: linear (positions / factor), dynamic (NTK base growth past the original length), llama3."""
+    """RoPE context extension: linear (positions / factor), dynamic (NTK, past the original length), llama3."""
     rope_scaling_factor: float = 1.0
     """RoPE scaling factor (e.g. 8 for Llama-3.1, 2 for InternLM2's dynamic NTK)."""
     rope_low_freq_factor: float = 1.0

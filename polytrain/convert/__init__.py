@@ -116,7 +116,8 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
         raise ConfigError(f"output directory {out_dir} exists and is not empty")
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = Config(model=model)
-    cfg.run.name, cfg.run.out_dir = out_dir.name, str(out_dir)
+    # Absolute: `polytrain train --config OUT_DIR/config.toml` then works from any directory.
+    cfg.run.name, cfg.run.out_dir = out_dir.name, str(out_dir.resolve())
     cfg.data.seq_len = min(cfg.data.seq_len, model.max_seq_len)
     if tokenizer is not None:
         shutil.copyfile(tokenizer, out_dir / TOKENIZER)
