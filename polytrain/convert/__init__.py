@@ -164,11 +164,13 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: str | None = None)
         raise ConfigError(f"{run_dir} (the run of {checkpoint}) has no config.toml")
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; choose {', '.join(DTYPES)}")
-    cfg = load_config(run_dir / "config.toml").model
+    run_cfg = load_config(run_dir / "config.toml")
+    cfg = run_cfg.model
     hf = ARCHITECTURES[cfg.arch].hf()
     state = read_model_tensors(checkpoint, DTYPES.get(dtype))
     hf_state = hf.state_to_hf(state, cfg)
-    base = run_dir / HF_EXTRAS / "config.json"
+    extras = _extras_dir(run_dir, run_cfg)
+    base = extras / "config.json"
     hf_config = json.loads(base.read_text()) if base.is_file() else {}
     for derived in ("rope_parameters", "dense_act_fn", "is_gated_act"):  # rewritten from ours below
         hf_config.pop(derived, None)
@@ -180,8 +182,8 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: str | None = None)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_safetensors(hf_state, out_dir / "model.safetensors")
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-    if (run_dir / HF_EXTRAS).is_dir():
-        for file in (run_dir / HF_EXTRAS).iterdir():
+    if extras.is_dir():
+        for file in extras.iterdir():
             if file.name != "config.json":
                 shutil.copyfile(file, out_dir / file.name)
     if (run_dir / TOKENIZER).is_file():
@@ -189,6 +191,14 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: str | None = None)
         if not (out_dir / "tokenizer_config.json").is_file():
             _write_tokenizer_config(run_dir / TOKENIZER, out_dir / "tokenizer_config.json")
     return out_dir
+
+
+def _extras_dir(run_dir: Path, cfg: Config) -> Path:
+    """The kept HF files of a run: its own hf/, or, for a run fine-tuned from an imported model,
+    those of the imported directory its tokenizer comes from."""
+    if (run_dir / HF_EXTRAS).is_dir() or cfg.data.tokenizer == "bpe":
+        return run_dir / HF_EXTRAS
+    return Path(cfg.data.tokenizer).parent / HF_EXTRAS
 
 
 def _write_tokenizer_config(tokenizer: Path, path: Path) -> None:

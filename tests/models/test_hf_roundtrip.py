@@ -140,6 +140,10 @@ def test_training_starts_from_converted_weights(gpt2_with_tokenizer, small_corpu
         assert torch.equal(trainer.model.state_dict()[name], value), name
     summary = trainer.train()
     assert summary["step"] == 2 and (tmp_path / "finetune" / "checkpoints" / "step_2").is_dir()
+    # The fine-tuned run exports with the imported model's kept files (its config.json's ids).
+    out = export_hf(tmp_path / "finetune", tmp_path / "exported")
+    assert json.loads((out / "config.json").read_text())["n_positions"] == 64
+    assert (out / "generation_config.json").is_file()
 
 
 def test_export_of_a_polytrain_trained_model(small_corpus, tmp_path):
