@@ -116,7 +116,7 @@ T5_PRESETS = {  # n_layers counts the encoder's blocks; the decoder has as many
 
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture(presets=LLAMA_PRESETS, module="polytrain.models.llama.model",
-                          hf_model_types=("llama",)),
+                          parallelize_module="polytrain.models.llama.parallelize", hf_model_types=("llama",)),
     "internlm2": Architecture(presets=INTERNLM2_PRESETS, module="polytrain.models.internlm2.model",
                               defaults={"rope_theta": 1_000_000.0}, hf_model_types=("internlm2",)),
     "gpt2": Architecture(presets=GPT2_PRESETS, module="polytrain.models.gpt2.model", rope=False,
