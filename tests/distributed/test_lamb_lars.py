@@ -1,0 +1,114 @@
+"""LAMB and LARS under sharding: trust ratios from whole-tensor norms, parameters as on one device.
+
+1. The optimizer alone on 2 ranks, over DTensors sharded along dim 0 and dim 1 and a
+   replicated one, against the same optimizer on the full tensors: equal, while the same
+   step with each rank's local norms is not (so the check can tell them apart); and one
+   all-reduce per step for all tensors.
+2. Training, 5 steps at world size 2 with ZeRO 1, 2, 3 and with tp = 2 (sequence
+   parallel on): the final parameters equal the single-process run's within 1e-6.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import tiny_overrides
+from tests.distributed.test_parity import assert_same_trajectory, train, train_rows
+from tests.distributed.test_zero12 import final_weights
+from tests.multirank import run_ranks
+
+pytestmark = pytest.mark.slow
+# LAMB at the paper's eps 1e-6: at 1e-8, Adam's m / sqrt(v) of elements whose gradient is
+# near 1e-8 turns the layouts' fp32 summation-order noise into 3e-6 differences in the
+# (not adapted, Adam-stepped) norm gains after 5 steps under tp 2, as large as AdamW's own.
+OPTIMIZERS = {"lamb": ["--train.optimizer", "lamb", "--train.eps", "1e-6"],
+              "lars": ["--train.optimizer", "lars", "--train.lr", "0.02"]}
+LAYOUTS = {"zero1": ["--parallel.zero", "1"], "zero2": ["--parallel.zero", "2"],
+           "zero3": ["--parallel.zero", "3"], "tp2_sp": ["--parallel.tp", "2", "--parallel.sp", "true"]}
+
+
+def _full_tensors() -> list[torch.Tensor]:
+    # Rows of very different scale, so each half's norm is far from half the whole's.
+    gen = torch.Generator().manual_seed(3)
+    scale = torch.logspace(-2, 1, 8).unsqueeze(1)  # (8, 1)
+    w = [torch.randn(8, 6, generator=gen) * scale, torch.randn(6, 8, generator=gen) * scale.T,
+         torch.randn(4, 4, generator=gen)]
+    g = [[torch.randn(x.shape, generator=gen) * (1 + i) for i, x in enumerate(w)] for _ in range(3)]
+    return w, g
+
+
+def _step_sharded(rank: int, world_size: int, name: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from polytrain.optim import trust
+    from polytrain.optim.lamb import Lamb
+    from polytrain.optim.lars import Lars
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    placements = [[Shard(0)], [Shard(1)], [Replicate()]]
+    make = {"lamb": lambda ps, **kw: Lamb(ps, lr=0.05, weight_decay=0.1, **kw),
+            "lars": lambda ps, **kw: Lars(ps, lr=0.05, weight_decay=0.1, **kw)}[name]
+    full, grads = _full_tensors()
+
+    def run(sharded: bool, **kw) -> list[torch.Tensor]:
+        params = [torch.nn.Parameter(distribute_tensor(w.clone(), mesh, p) if sharded else w.clone())
+                  for w, p in zip(full, placements)]
+        opt = make(params, **kw)
+        for step_grads in grads:
+            for p, g, pl in zip(params, step_grads, placements):
+                p.grad = distribute_tensor(g.clone(), mesh, pl) if sharded else g.clone()
+            opt.step()
+        return [p.detach().full_tensor() if sharded else p.detach() for p in params]
+
+    calls = []
+    all_reduce = trust.dist.all_reduce
+    trust.dist.all_reduce = lambda *a, **k: (calls.append(1), all_reduce(*a, **k))[1]
+    try:
+        whole = run(True)
+    finally:
+        trust.dist.all_reduce = all_reduce
+    reference, local = run(False), run(True, square_sums=lambda tensors, local: local)
+    # Plain numbers back: tensors would travel as shared memory the exiting rank frees.
+    return {"whole_error": [(a - b).abs().max().item() for a, b in zip(whole, reference)],
+            "local_error": [(a - b).abs().max().item() for a, b in zip(local, reference)],
+            "all_reduces": len(calls)}
+
+
+@pytest.mark.parametrize("name", ["lamb", "lars"])
+def test_ratio_uses_the_whole_tensor_norm(name):
+    for out in run_ranks(2, _step_sharded, name):
+        assert out["all_reduces"] == 3  # one per step: both sharded tensors in one vector
+        assert max(out["whole_error"]) < 1e-6, out
+        # Local norms give other ratios, so other weights (not for the replicated third tensor).
+        assert min(out["local_error"][:2]) > 1e-3, out
+
+
+def _train_all(rank: int, world_size: int, runs: list[list[str]]) -> None:
+    for overrides in runs:
+        train(overrides)
+
+
+def _args(corpus: Path, run_dir: Path, optimizer: str, *extra: str) -> list[str]:
+    # seq_len 32: divisible by tp for sequence parallelism, and short.
+    return tiny_overrides(corpus, run_dir, data__seq_len=32, run__steps=5) + OPTIMIZERS[optimizer] + list(extra)
+
+
+def test_sharded_training_matches_one_device(small_corpus, tmp_path):
+    runs = {(opt, layout): _args(small_corpus, tmp_path / f"{opt}_{layout}", opt, *extra)
+            for opt in OPTIMIZERS for layout, extra in LAYOUTS.items()}
+    for opt in OPTIMIZERS:
+        train(_args(small_corpus, tmp_path / f"{opt}_ref", opt))
+    run_ranks(2, _train_all, list(runs.values()))
+    for opt, layout in runs:
+        what = f"{opt} with {layout}"
+        ref_dir, run_dir = tmp_path / f"{opt}_ref", tmp_path / f"{opt}_{layout}"
+        assert_same_trajectory(train_rows(ref_dir), train_rows(run_dir), 1e-5, what)
+        ref, got = final_weights(ref_dir), final_weights(run_dir)
+        assert ref.keys() == got.keys()
+        for key in ref:
+            error = (got[key] - ref[key]).abs().max().item()
+            assert error <= 1e-6, f"{what}: {key} differs by {error:.2e}"
