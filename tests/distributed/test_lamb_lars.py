@@ -4,8 +4,9 @@
    replicated one, against the same optimizer on the full tensors: equal, while the same
    step with each rank's local norms is not (so the check can tell them apart); and one
    all-reduce per step for all tensors.
-2. Training, 5 steps at world size 2 with ZeRO 1, 2, 3 and with tp = 2 (sequence
-   parallel on): the final parameters equal the single-process run's within 1e-6.
+2. Training, 5 steps at world size 2 with ZeRO 1, 2 (also with nvme offload), 3 and with
+   tp = 2 (sequence parallel on): the final parameters equal the single-process run's
+   within 1e-6; and a single process resumed from ZeRO-2's step-3 checkpoint ends there too.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 from tests.conftest import tiny_overrides
-from tests.distributed.test_parity import assert_same_trajectory, train, train_rows
+from tests.distributed.test_parity import assert_same_trajectory, rows_after, train, train_rows
+from tests.distributed.test_tp_training import copy_checkpoint
 from tests.distributed.test_zero12 import final_weights
 from tests.multirank import run_ranks
 
@@ -26,7 +28,11 @@ pytestmark = pytest.mark.slow
 # (not adapted, Adam-stepped) norm gains after 5 steps under tp 2, as large as AdamW's own.
 OPTIMIZERS = {"lamb": ["--train.optimizer", "lamb", "--train.eps", "1e-6"],
               "lars": ["--train.optimizer", "lars", "--train.lr", "0.02"]}
-LAYOUTS = {"zero1": ["--parallel.zero", "1"], "zero2": ["--parallel.zero", "2"],
+# zero2 also saves at step 3 (its state as Shard(0) DTensors), from which one process resumes;
+# zero2_nvme keeps the masters and LAMB/LARS state in memory-mapped files.
+LAYOUTS = {"zero1": ["--parallel.zero", "1"],
+           "zero2": ["--parallel.zero", "2", "--checkpoint.every", "3", "--checkpoint.keep", "0"],
+           "zero2_nvme": ["--parallel.zero", "2", "--parallel.offload", "nvme"],
            "zero3": ["--parallel.zero", "3"], "tp2_sp": ["--parallel.tp", "2", "--parallel.sp", "true"]}
 
 
@@ -103,10 +109,15 @@ def test_sharded_training_matches_one_device(small_corpus, tmp_path):
     for opt in OPTIMIZERS:
         train(_args(small_corpus, tmp_path / f"{opt}_ref", opt))
     run_ranks(2, _train_all, list(runs.values()))
+    for opt in OPTIMIZERS:  # ZeRO-2 at 2 ranks -> 1 process, from step 3 to 5
+        copy_checkpoint(tmp_path / f"{opt}_zero2", 3, tmp_path / f"{opt}_resumed")
+        train(_args(small_corpus, tmp_path / f"{opt}_resumed", opt))
+        runs[opt, "resumed"] = None
     for opt, layout in runs:
         what = f"{opt} with {layout}"
         ref_dir, run_dir = tmp_path / f"{opt}_ref", tmp_path / f"{opt}_{layout}"
-        assert_same_trajectory(train_rows(ref_dir), train_rows(run_dir), 1e-5, what)
+        assert_same_trajectory(rows_after(ref_dir, 3 if layout == "resumed" else 0), train_rows(run_dir),
+                               1e-5, what)
         ref, got = final_weights(ref_dir), final_weights(run_dir)
         assert ref.keys() == got.keys()
         for key in ref:
