@@ -34,7 +34,9 @@ def whole_square_sums(tensors: list[torch.Tensor], local: torch.Tensor) -> torch
     """Sum `local` (n, k) over the ranks holding the other pieces of each tensor; in place.
 
     A DTensor's row is all-reduced over each mesh dimension on which it is sharded (a
-    Replicate dimension holds copies, which must count once, so it is skipped). Rows
+    Replicate dimension holds copies, which must count once, so it is skipped). "Sharded"
+    is any placement but Replicate: FSDP2 over tensor-parallel Shard(0) weights places them
+    as (_StridedShard(0), Shard(0)), and a _StridedShard is not `is_shard()`. Rows
     are batched per process group: one all-reduce per group for all tensors sharded over
     it, at most one per mesh dimension. A tensor sharded over two dimensions is summed
     over the first group, then over the second, which adds up the first sums: the whole.
@@ -45,7 +47,7 @@ def whole_square_sums(tensors: list[torch.Tensor], local: torch.Tensor) -> torch
     for i, tensor in enumerate(tensors):
         if isinstance(tensor, DTensor):
             for dim, placement in enumerate(tensor.placements):
-                if placement.is_shard():
+                if not placement.is_replicate():
                     rows_of.setdefault(tensor.device_mesh.get_group(dim), []).append(i)
     for group, rows in rows_of.items():
         index = torch.tensor(rows, device=local.device)

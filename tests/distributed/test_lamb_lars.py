@@ -1,9 +1,11 @@
 """LAMB and LARS under sharding: trust ratios from whole-tensor norms, parameters as on one device.
 
-1. The optimizer alone on 2 ranks, over DTensors sharded along dim 0 and dim 1 and a
-   replicated one, against the same optimizer on the full tensors: equal, while the same
-   step with each rank's local norms is not (so the check can tell them apart); and one
-   all-reduce per step for all tensors.
+1. The optimizer alone over DTensors on a mesh of 2 ranks (sharded along dim 0 or dim 1, or
+   replicated) and of 2 x 2 ranks (sharded over both mesh dimensions, one or none), against
+   the same optimizer on the full tensors: equal, while the same steps with each rank's
+   local norms are not (so the check can tell them apart); and one all-reduce per sharding
+   mesh dimension and step for all tensors. The 2 x 2 mesh is the one test with 4 ranks:
+   FSDP2 over tensor-parallel shards puts weights on such a mesh.
 2. Training, 5 steps at world size 2 with ZeRO 1, 2 (also with nvme offload), 3 and with
    tp = 2 (sequence parallel on): the final parameters equal the single-process run's
    within 1e-6; and a single process resumed from ZeRO-2's step-3 checkpoint ends there too.
@@ -11,10 +13,13 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from tests.conftest import tiny_overrides
 from tests.distributed.test_parity import assert_same_trajectory, rows_after, train, train_rows
@@ -36,26 +41,39 @@ LAYOUTS = {"zero1": ["--parallel.zero", "1"],
            "zero3": ["--parallel.zero", "3"], "tp2_sp": ["--parallel.tp", "2", "--parallel.sp", "true"]}
 
 
-def _full_tensors() -> list[torch.Tensor]:
-    # Rows of very different scale, so each half's norm is far from half the whole's.
-    gen = torch.Generator().manual_seed(3)
-    scale = torch.logspace(-2, 1, 8).unsqueeze(1)  # (8, 1)
-    w = [torch.randn(8, 6, generator=gen) * scale, torch.randn(6, 8, generator=gen) * scale.T,
-         torch.randn(4, 4, generator=gen)]
-    g = [[torch.randn(x.shape, generator=gen) * (1 + i) for i, x in enumerate(w)] for _ in range(3)]
+def _full_tensors() -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """Five weights and 3 steps of gradients; rows and columns of very different scales,
+    so a shard's norm is far from its share of the whole's."""
+    # float64, so that summation order (shards vs whole) stays far below what is checked.
+    gen, f64 = torch.Generator().manual_seed(3), torch.float64
+    scale = torch.logspace(-2, 1, 8, dtype=f64).unsqueeze(1)  # (8, 1)
+    w = [torch.randn(8, 6, generator=gen, dtype=f64) * scale, torch.randn(6, 8, generator=gen, dtype=f64) * scale.T,
+         torch.randn(4, 4, generator=gen, dtype=f64), torch.randn(8, 4, generator=gen, dtype=f64) * scale,
+         torch.randn(8, 4, generator=gen, dtype=f64) * scale]
+    g = [[torch.randn(x.shape, generator=gen, dtype=f64) * (1 + i) for i, x in enumerate(w)] for _ in range(3)]
     return w, g
 
 
-def _step_sharded(rank: int, world_size: int, name: str) -> dict:
+# Per mesh shape, the placements of the five weights: sharded along either dim, replicated,
+# and on the 2 x 2 mesh sharded over both dimensions, one, the other, or neither; the last
+# as FSDP2 lays out a tensor-parallel Shard(0) weight (a _StridedShard is not is_shard()).
+PLACEMENTS = {
+    (2,): [[Shard(0)], [Shard(1)], [Replicate()], [Shard(0)], [Shard(1)]],
+    (2, 2): [[Shard(0), Shard(1)], [Shard(1), Replicate()], [Replicate(), Replicate()], [Replicate(), Shard(0)],
+             [_StridedShard(0, split_factor=2), Shard(0)]],
+}
+
+
+def _step_sharded(rank: int, world_size: int, name: str, shape: tuple[int, ...]) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import distribute_tensor
 
     from polytrain.optim import trust
     from polytrain.optim.lamb import Lamb
     from polytrain.optim.lars import Lars
 
-    mesh = init_device_mesh("cpu", (world_size,))
-    placements = [[Shard(0)], [Shard(1)], [Replicate()]]
+    mesh = init_device_mesh("cpu", shape)
+    placements = PLACEMENTS[shape]
     make = {"lamb": lambda ps, **kw: Lamb(ps, lr=0.05, weight_decay=0.1, **kw),
             "lars": lambda ps, **kw: Lars(ps, lr=0.05, weight_decay=0.1, **kw)}[name]
     full, grads = _full_tensors()
@@ -85,12 +103,15 @@ def _step_sharded(rank: int, world_size: int, name: str) -> dict:
 
 
 @pytest.mark.parametrize("name", ["lamb", "lars"])
-def test_ratio_uses_the_whole_tensor_norm(name):
-    for out in run_ranks(2, _step_sharded, name):
-        assert out["all_reduces"] == 3  # one per step: both sharded tensors in one vector
-        assert max(out["whole_error"]) < 1e-6, out
-        # Local norms give other ratios, so other weights (not for the replicated third tensor).
-        assert min(out["local_error"][:2]) > 1e-3, out
+@pytest.mark.parametrize("shape", [(2,), (2, 2)], ids=["1d", "2d"])
+def test_ratio_uses_the_whole_tensor_norm(name, shape):
+    sharded = [any(not p.is_replicate() for p in pl) for pl in PLACEMENTS[shape]]
+    for out in run_ranks(math.prod(shape), _step_sharded, name, shape):
+        # Per step one all-reduce per mesh dimension that shards something, for all tensors.
+        assert out["all_reduces"] == 3 * len(shape), out
+        assert max(out["whole_error"]) < 1e-12, out
+        # Local norms give other ratios, so other weights (not for replicated tensors).
+        assert min(e for e, s in zip(out["local_error"], sharded) if s) > 1e-3, out
 
 
 def _train_all(rank: int, world_size: int, runs: list[list[str]]) -> None:
@@ -114,12 +135,23 @@ def test_sharded_training_matches_one_device(small_corpus, tmp_path):
         train(_args(small_corpus, tmp_path / f"{opt}_resumed", opt))
         runs[opt, "resumed"] = None
     for opt, layout in runs:
-        what = f"{opt} with {layout}"
-        ref_dir, run_dir = tmp_path / f"{opt}_ref", tmp_path / f"{opt}_{layout}"
-        assert_same_trajectory(rows_after(ref_dir, 3 if layout == "resumed" else 0), train_rows(run_dir),
-                               1e-5, what)
-        ref, got = final_weights(ref_dir), final_weights(run_dir)
-        assert ref.keys() == got.keys()
-        for key in ref:
-            error = (got[key] - ref[key]).abs().max().item()
-            assert error <= 1e-6, f"{what}: {key} differs by {error:.2e}"
+        _assert_same_run(tmp_path / f"{opt}_ref", tmp_path / f"{opt}_{layout}", f"{opt} with {layout}",
+                         after=3 if layout == "resumed" else 0)
+
+
+def test_fsdp_over_tensor_parallel_matches_one_device(small_corpus, tmp_path):
+    # dp 2 x tp 2 with ZeRO-3: FSDP2 shards the tp shards again, so weights sit on a 2-D mesh.
+    train(_args(small_corpus, tmp_path / "ref", "lamb"))
+    run_ranks(4, _train_all, [_args(small_corpus, tmp_path / "dp2_tp2", "lamb", "--parallel.tp", "2",
+                                    "--parallel.zero", "3")])
+    _assert_same_run(tmp_path / "ref", tmp_path / "dp2_tp2", "lamb with dp 2 x tp 2, ZeRO-3")
+
+
+def _assert_same_run(ref_dir: Path, run_dir: Path, what: str, after: int = 0) -> None:
+    """The loss trajectory (after step `after`) within 1e-5 relative; every final weight within 1e-6."""
+    assert_same_trajectory(rows_after(ref_dir, after), train_rows(run_dir), 1e-5, what)
+    ref, got = final_weights(ref_dir), final_weights(run_dir)
+    assert ref.keys() == got.keys()
+    for key in ref:
+        error = (got[key] - ref[key]).abs().max().item()
+        assert error <= 1e-6, f"{what}: {key} differs by {error:.2e}"

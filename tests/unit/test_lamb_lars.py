@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 from polytrain.config import ConfigError, load_config
 from polytrain.optim.builder import make_optimizer, param_groups
