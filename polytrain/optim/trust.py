@@ -86,15 +86,19 @@ class TrustRatioOptimizer(torch.optim.Optimizer):
         self.square_sums = square_sums or whole_square_sums
 
     def direction(self, group: dict, state: dict, w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """Update the state from local g; return x (shaped like the local w), whose norm `ratio` uses."""
         raise NotImplementedError
 
     def ratio(self, group: dict, w_norm: torch.Tensor, x_norm: torch.Tensor) -> torch.Tensor:
+        """The trust ratio from the whole tensor's norms (0-dim tensors); undefined values become 1."""
         raise NotImplementedError
 
     def apply(self, group: dict, state: dict, w: torch.Tensor, x: torch.Tensor, ratio: torch.Tensor) -> None:
+        """Update the local w in place, scaled by `ratio` (0-dim; 1 for groups with adapt False)."""
         raise NotImplementedError
 
     def init_state(self, param: torch.Tensor) -> dict:
+        """A parameter's state before its first step (nvme offload supplies its own, zero-filled)."""
         raise NotImplementedError
 
     @torch.no_grad()
