@@ -224,7 +224,7 @@ class ZeroDataParallel:
         self.masters = {fqn: by_fqn[fqn] for fqn, _ in named}  # model order, as in checkpoints
         groups = [{**g, "params": [by_param[id(p)] for p in g["params"]]}
                   for g in param_groups(model, cfg.weight_decay)]
-        self.optimizer = make_optimizer(groups, cfg)
+        self.optimizer = make_optimizer(groups, cfg, square_sums=self._whole_square_sums)
         if self.store.maps_state:
             self._map_optimizer_state()
         return self.optimizer
@@ -263,6 +263,21 @@ class ZeroDataParallel:
         stride = torch.empty(like.shape, device="meta").stride()  # contiguous, of the global shape
         spec = DTensorSpec(self.mesh, (Shard(0),), TensorMeta(like.shape, stride, local.dtype))
         return DTensor(local, spec, requires_grad=False)
+
+    @torch.no_grad()
+    def _whole_square_sums(self, masters: list[torch.Tensor], local: torch.Tensor) -> torch.Tensor:
+        """Per-parameter sums of squares (n, k) of the whole tensors, from this rank's rows of each.
+
+        Every master is one parameter's rows, and the dp ranks' rows of it are disjoint
+        (padding is never part of a master), so one all-reduce of the (n, k) partial sums
+        over the dp group gives the whole tensors' sums for all n parameters at once.
+        For LAMB/LARS trust ratios (optim/trust.py).
+        """
+        if self.group is None:
+            return local
+        total = local.to(self.device)  # collectives run on the accelerator, also when offloaded
+        dist.all_reduce(total, group=self.group)
+        return total.to(local.device)
 
     # ----- gradients ----------------------------------------------------------------
 
