@@ -49,6 +49,10 @@ class Accelerator(ABC):
     """torch device type string, e.g. 'cpu', 'cuda'."""
     dist_backend: str
     """torch.distributed backend for collectives between these devices."""
+    reduce_scatter_by_all_reduce: bool = False
+    """Whether data parallelism reduce-scatters gradients as an all-reduce of the whole buffer
+    (each rank keeps its piece): twice the bytes, but faster where the backend's
+    reduce-scatter is much slower than its all-reduce (see distributed/reduce_scatter.py)."""
 
     @classmethod
     @abstractmethod
