@@ -55,7 +55,7 @@ class ModelConfig:
     arch: str = "llama"
     """Model architecture; see polytrain.models.ARCHITECTURES."""
     size: str = "tiny"
-    """Size preset (tiny ~3M, small ~25M, 125m, 350m, 1b, 7b); fields set below win over it."""
+    """Size preset of the architecture (llama: tiny ~3M, small ~16M, 125m, 350m, 1b, 7b; custom = none)."""
     dim: int = 0
     """Hidden size (0 = from the size preset)."""
     n_layers: int = 0
@@ -63,19 +63,47 @@ class ModelConfig:
     n_heads: int = 0
     """Attention query heads (0 = from the size preset)."""
     n_kv_heads: int = 0
-    """Key/value heads for grouped-query attention; divides n_heads (0 = from the size preset)."""
+    """Key/value heads for grouped-query attention; divides n_heads (0 = from the size preset, else n_heads)."""
     ffn_dim: int = 0
     """SwiGLU hidden size (0 = from the size preset)."""
     vocab_size: int = 0
     """Vocabulary size; the BPE tokenizer is trained to this size (0 = from the size preset)."""
     max_seq_len: int = 0
     """Longest sequence RoPE tables are built for (0 = data.seq_len)."""
+    head_dim: int = 0
+    """Size of one attention head (0 = dim / n_heads; T5 and some Llamas use another)."""
+    n_decoder_layers: int = 0
+    """t5: decoder blocks (n_layers counts the encoder's; 0 = as many as the encoder)."""
+    activation: str = _choices("silu", "gelu", "gelu_tanh", "relu")
+    """Feed-forward nonlinearity: silu, gelu (erf), gelu_tanh (GPT-2's and T5's tanh approximation), relu."""
+    gated_ffn: bool = True
+    """Gated feed-forward w2(act(w1 x) * w3 x) (SwiGLU, T5 v1.1); false = w2(act(w1 x)) (GPT-2, BERT, T5 v1.0)."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
+    rope_scaling: str = _choices("none", "linear", "dynamic", "llama3")
+    """RoPE context extension: linear (positions / factor), dynamic (NTK, past the original length), llama3."""
+    rope_scaling_factor: float = 1.0
+    """RoPE scaling factor (e.g. 8 for Llama-3.1, 2 for InternLM2's dynamic NTK)."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 scaling: wavelengths above original_len / this are divided by the factor in full."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 scaling: wavelengths below original_len / this are kept; between the two, interpolated."""
+    rope_original_max_len: int = 0
+    """Context length the RoPE model was pre-trained at, for llama3 and dynamic scaling (0 = max_seq_len)."""
     norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
+    """Epsilon of the norms (RMSNorm; LayerNorm for gpt2 and bert; T5's RMS-style LayerNorm)."""
     tie_embeddings: bool = False
     """Share the token embedding with the output projection."""
+    dropout: float = 0.0
+    """Dropout probability in training on attention weights, the embedding, attention and MLP outputs (0 = off)."""
+    output_scale: bool = False
+    """t5: multiply the decoder's final states by dim ** -0.5 before the output projection (T5 v1.0)."""
+    type_vocab_size: int = 2
+    """bert: token-type (segment) embeddings."""
+    rel_pos_buckets: int = 32
+    """t5: relative-position buckets of the attention bias (half per direction in the encoder)."""
+    rel_pos_max_distance: int = 128
+    """t5: distance from which relative positions share the last, logarithmic bucket."""
 
 
 @dataclass
@@ -88,6 +116,10 @@ class DataConfig:
     """Tokens per training sequence."""
     val_fraction: float = 0.02
     """Share of documents held out for validation (chosen by a hash of the document name)."""
+    mask_fraction: float = 0.15
+    """mlm: share of each sequence's tokens scored (80% [MASK], 10% random, 10% kept); span: share cut out."""
+    mean_span_length: float = 3.0
+    """span (T5): mean length of the cut-out spans, each replaced by one sentinel."""
 
 
 @dataclass
@@ -136,8 +168,10 @@ class TrainConfig:
     """ds_* schedules: learning rate at the start of the warmup."""
     schedule_steps: int = 0
     """ds_warmup_decay / ds_warmup_cosine: step where the decay ends (0 = run.steps)."""
-    activation_checkpoint: str = _choices("none", "full")
-    """Recompute each block's activations in the backward pass to save memory."""
+    objective: str = _choices("auto", "causal", "mlm", "span")
+    """Pre-training objective: causal (decoders), mlm (bert), span corruption (t5); auto = the architecture's."""
+    activation_checkpoint: str = _choices("none", "full", "selective")
+    """Recompute activations in backward to save memory: full = each block, selective = the attention core."""
 
 
 @dataclass
@@ -156,6 +190,24 @@ class ParallelConfig:
     """ZeRO-1/2 masters and optimizer state: on the accelerator (none), in host memory (cpu) or in files (nvme)."""
     nvme_path: str = ""
     """Directory of offload = nvme's memory-mapped state files; empty = <run dir>/offload (a temp dir if unknown)."""
+    tp: int = 1
+    """Tensor-parallel degree: each layer's weights are split over this many consecutive ranks."""
+    tp_mode: str = _choices("1d", "2d", "2.5d", "3d")
+    """Tensor-parallel scheme: 1d = Megatron's column/row split; 2d, 2.5d, 3d = Colossal-AI's grids."""
+    tp_depth: int = 1
+    """2.5d only: depth d of the q x q x d grid (tp = q * q * d)."""
+    sp: bool = False
+    """Megatron sequence parallelism (needs tp > 1): norms and residuals split along the sequence."""
+    pp: int = 1
+    """Pipeline-parallel degree: the layers are split into this many stages on different ranks."""
+    pp_schedule: str = _choices("1f1b", "gpipe", "interleaved", "zero_bubble")
+    """Pipeline schedule; interleaved and zero_bubble run pp_virtual_stages stages per rank."""
+    pp_microbatches: int = 0
+    """Micro-batches per pipeline run; 0 = all of this rank's micro-batches of the step in one run."""
+    pp_virtual_stages: int = 2
+    """interleaved / zero_bubble: model chunks (virtual stages) each pipeline rank holds."""
+    pp_split: str = ""
+    """Module names that start stages 2.. (e.g. "layers.2,layers.4"); empty = balanced by layer count."""
 
 
 @dataclass
@@ -272,8 +324,12 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the TOML file at `path`, then command-line `overrides`; then validated."""
-    cfg = Config()
+    """Defaults, the architecture's defaults, the TOML file at `path`, then `overrides`; then validated.
+
+    The architecture's defaults (e.g. gpt2's GELU and tied embeddings) sit between the
+    dataclass defaults and the user's values, so the file and the command line win.
+    """
+    data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -282,16 +338,37 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path} is not valid TOML: {e}") from None
-        for section, values in data.items():
-            if not isinstance(values, dict):
-                raise _unknown(section)
-            for name, value in values.items():
-                _set(cfg, f"{section}.{name}", value, from_text=False)
-    for key, value in parse_overrides(overrides or []):
-        _set(cfg, key, value, from_text=True)
+    pairs = parse_overrides(overrides or [])
+    cfg = _apply(Config(), data, pairs)
+    defaults = _arch_defaults(cfg.model.arch)
+    if defaults:  # again, now on top of the architecture's defaults
+        cfg = _apply(Config(model=ModelConfig(**{**dataclasses.asdict(ModelConfig()), **defaults})),
+                     data, pairs)
     resolve_model(cfg)
     validate(cfg)
     return cfg
+
+
+def _apply(cfg: Config, data: dict[str, Any], pairs: list[tuple[str, str]]) -> Config:
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise _unknown(section)
+        for name, value in values.items():
+            _set(cfg, f"{section}.{name}", value, from_text=False)
+    for key, value in pairs:
+        _set(cfg, key, value, from_text=True)
+    return cfg
+
+
+def _arch_defaults(arch: str) -> dict[str, Any]:
+    from polytrain.models import ARCHITECTURES
+
+    return dict(ARCHITECTURES[arch].defaults) if arch in ARCHITECTURES else {}
+
+
+def model_config(arch: str, **fields_: Any) -> ModelConfig:
+    """A ModelConfig of `arch` with its architecture defaults, then `fields_` (unresolved, unvalidated)."""
+    return ModelConfig(**{**dataclasses.asdict(ModelConfig()), **_arch_defaults(arch), "arch": arch, **fields_})
 
 
 def resolve_model(cfg: Config) -> None:
@@ -307,11 +384,15 @@ def resolve_model(cfg: Config) -> None:
             f"(known: {', '.join(ARCHITECTURES)}){hint}"
         )
     presets = ARCHITECTURES[m.arch].presets
+    if m.size == "custom":  # every field given (e.g. a converted model); validate() finds any left at 0
+        presets = {"custom": {}}
     if m.size not in presets:
         raise ConfigError(f"model.size = '{m.size}' is not a preset of {m.arch}; choose one of {', '.join(presets)}")
     for name, value in presets[m.size].items():
         if getattr(m, name) == 0:
             setattr(m, name, value)
+    if m.n_kv_heads == 0:
+        m.n_kv_heads = m.n_heads
     if m.max_seq_len == 0:
         m.max_seq_len = cfg.data.seq_len
 
@@ -328,12 +409,10 @@ def validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} = {value} must be positive")
-    if m.dim % m.n_heads:
-        raise ConfigError(f"model.dim = {m.dim} must be a multiple of model.n_heads = {m.n_heads}")
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError(f"model.n_kv_heads = {m.n_kv_heads} must divide model.n_heads = {m.n_heads}")
-    if (m.dim // m.n_heads) % 2:
-        raise ConfigError(f"head dim model.dim / model.n_heads = {m.dim // m.n_heads} must be even for RoPE")
+    _validate_model(m)
+    from polytrain.data.objectives import objective_name
+
+    objective_name(cfg)  # the objective must fit the architecture
     if cfg.data.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len = {cfg.data.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
     if t.global_batch_size % t.micro_batch_size:
@@ -341,6 +420,9 @@ def validate(cfg: Config) -> None:
             f"train.global_batch_size = {t.global_batch_size} must be a multiple of "
             f"train.micro_batch_size = {t.micro_batch_size}; try {_nearest_multiple(t.global_batch_size, t.micro_batch_size)}"
         )
+    if not 0 < cfg.data.mask_fraction < 1 or cfg.data.mean_span_length < 1:
+        raise ConfigError(f"data.mask_fraction = {cfg.data.mask_fraction} must be in (0, 1) and "
+                          f"data.mean_span_length = {cfg.data.mean_span_length} at least 1")
     if not 0 < cfg.data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction = {cfg.data.val_fraction} must be in (0, 1): validation needs data")
     if t.lr_schedule == "cosine" and t.warmup_type != "linear":
@@ -360,6 +442,56 @@ def validate(cfg: Config) -> None:
         )
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 0:
         raise ConfigError("checkpoint.every and checkpoint.keep must be >= 0")
+
+
+def _validate_model(m: ModelConfig) -> None:
+    """Head geometry, and the fields that only some architectures have."""
+    from polytrain.models import ARCHITECTURES
+
+    arch = ARCHITECTURES[m.arch]
+    if m.head_dim < 0:
+        raise ConfigError(f"model.head_dim = {m.head_dim} must be >= 0 (0 = dim / n_heads)")
+    if m.head_dim == 0 and m.dim % m.n_heads:
+        raise ConfigError(f"model.dim = {m.dim} must be a multiple of model.n_heads = {m.n_heads} "
+                          "(or set model.head_dim)")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_kv_heads = {m.n_kv_heads} must divide model.n_heads = {m.n_heads}")
+    if not arch.gqa and m.n_kv_heads != m.n_heads:
+        raise ConfigError(f"model.n_kv_heads = {m.n_kv_heads}: {m.arch} has no grouped-query attention; "
+                          f"set it to model.n_heads = {m.n_heads}")
+    head_dim = m.head_dim or m.dim // m.n_heads
+    if arch.rope and head_dim % 2:
+        raise ConfigError(f"head dim model.dim / model.n_heads = {head_dim} must be even for RoPE")
+    if arch.gated is not None and m.gated_ffn != arch.gated:
+        form = "gated (act(w1 x) * w3 x)" if arch.gated else "not gated"
+        raise ConfigError(f"model.gated_ffn = {str(m.gated_ffn).lower()}: {m.arch}'s feed-forward is "
+                          f"always {form}; set it to {str(arch.gated).lower()}")
+    if m.rope_scaling != "none":
+        if not arch.rope:
+            raise ConfigError(f"model.rope_scaling = '{m.rope_scaling}': {m.arch} has no RoPE; set it to 'none'")
+        if m.rope_scaling_factor <= 0:
+            raise ConfigError(f"model.rope_scaling_factor = {m.rope_scaling_factor} must be positive")
+        if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+            raise ConfigError(f"llama3 RoPE scaling needs 0 < model.rope_low_freq_factor < "
+                              f"model.rope_high_freq_factor (now {m.rope_low_freq_factor} and "
+                              f"{m.rope_high_freq_factor})")
+    if not 0 <= m.dropout < 1:
+        raise ConfigError(f"model.dropout = {m.dropout} must be in [0, 1)")
+    if m.rope_original_max_len < 0:
+        raise ConfigError(f"model.rope_original_max_len = {m.rope_original_max_len} must be >= 0")
+    if arch.kind != "encoder-decoder":
+        for key, value, unset in (("n_decoder_layers", m.n_decoder_layers, 0),
+                                  ("output_scale", m.output_scale, False)):
+            if value != unset:
+                raise ConfigError(f"model.{key} = {value} applies to encoder-decoder models (t5), "
+                                  f"not {m.arch}; leave it at {unset}")
+    elif m.n_decoder_layers < 0:
+        raise ConfigError(f"model.n_decoder_layers = {m.n_decoder_layers} must be >= 0")
+    if m.type_vocab_size < 1:
+        raise ConfigError(f"model.type_vocab_size = {m.type_vocab_size} must be positive")
+    if m.rel_pos_buckets < 4 or m.rel_pos_max_distance <= m.rel_pos_buckets // 2:
+        raise ConfigError(f"t5 relative positions need model.rel_pos_buckets >= 4 (now {m.rel_pos_buckets}) "
+                          f"and model.rel_pos_max_distance > buckets / 2 (now {m.rel_pos_max_distance})")
 
 
 def _nearest_multiple(value: int, unit: int) -> int:

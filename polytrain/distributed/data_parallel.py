@@ -22,6 +22,9 @@ Two implementations:
   fp32 masters and optimizer state (stage 1), and gradients (stage 2); with
   `parallel.offload` those live and step on the host or in files (offload.py), also
   on a single rank.
+
+With pipeline parallelism (pp > 1) each of the rank's stages gets its own
+FSDP2DataParallel behind `PipelineDataParallel` (pipeline/chunks.py).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 
 from polytrain.backend import get_accelerator
 from polytrain.config import ParallelConfig, TrainConfig
@@ -43,7 +47,7 @@ from polytrain.distributed.reduce_scatter import AllReduceScatter
 from polytrain.distributed.topology import ParallelDims
 from polytrain.distributed.zero import ZeroDataParallel
 from polytrain.optim.builder import build_optimizer
-from polytrain.optim.clip import clip_coefficient, sharded_grad_norm
+from polytrain.optim.clip import squared_norm_share
 
 
 class DataParallel(Protocol):
@@ -70,6 +74,10 @@ def build_data_parallel(dims: ParallelDims, mesh: DeviceMesh | None, cfg: Parall
     `run_dir` is where nvme offload's files go when `parallel.nvme_path` is empty
     (<run dir>/offload); without it, a fresh temp directory.
     """
+    if dims.pp > 1:  # ZeRO-1/2 are refused with pp at start-up (pipeline/plan.py)
+        from polytrain.distributed.pipeline.chunks import PipelineDataParallel
+
+        return PipelineDataParallel(lambda: FSDP2DataParallel(dims, mesh, pipelined=True), mesh["pp"])
     if dims.zero in (1, 2) and (dims.dp > 1 or cfg.offload != "none"):
         nvme_dir = cfg.nvme_path or (Path(run_dir) / "offload" if run_dir is not None else None)
         store = ShardStore(cfg.offload, nvme_dir, dist.get_rank() if dist.is_initialized() else 0)
@@ -88,10 +96,13 @@ def shard_unit(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool)
 
 
 class FSDP2DataParallel:
-    """zero = 0 (replicas) or 3 (sharded) through FSDP2; a plain model and optimizer when dp = 1."""
+    """zero = 0 (replicas) or 3 (sharded) through FSDP2; a plain model and optimizer when dp = 1.
 
-    def __init__(self, dims: ParallelDims, mesh: DeviceMesh | None):
-        self.dims, self.mesh = dims, mesh
+    `pipelined`: the module is a pipeline stage, run by a schedule over many micro-batches.
+    """
+
+    def __init__(self, dims: ParallelDims, mesh: DeviceMesh | None, pipelined: bool = False):
+        self.dims, self.mesh, self.pipelined = dims, mesh, pipelined
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
 
@@ -107,12 +118,16 @@ class FSDP2DataParallel:
             return model
         dp_mesh = self.mesh["dp_replicate", "dp_shard"]
         # Re-gathering after forward is what saves ZeRO-3 its memory; with full
-        # replicas there is nothing to free. The last block is the exception: backward
-        # starts with it, so freeing it would only cost one more all-gather at once;
-        # keeping it costs one block's full parameters during the loss computation.
+        # replicas there is nothing to free. Two exceptions keep blocks gathered:
+        # the last block, since backward starts with it (freeing it would only cost
+        # one more all-gather at once), and a pipeline stage's blocks through the step
+        # (as torchtitan does): a schedule interleaves the forwards and backwards of
+        # many micro-batches, and zero-bubble's weight-gradient pass needs the
+        # gathered parameters its input-gradient pass saw. A stage is 1/pp of the
+        # model, and it is resharded after its last backward.
         blocks = list(model.layers.values())
         for i, block in enumerate(blocks):
-            reshard = self.dims.zero == 3 and i < len(blocks) - 1
+            reshard = self.dims.zero == 3 and not self.pipelined and i < len(blocks) - 1
             shard_unit(block, dp_mesh, reshard_after_forward=reshard)
         # The root's parameters (embedding, head) are needed again right at the start
         # of backward, so they stay gathered after forward.
@@ -138,20 +153,34 @@ class FSDP2DataParallel:
         """This rank's gradients (DTensor shards or replicas when dp > 1)."""
         return [p.grad for p in self.model.parameters() if p.grad is not None]
 
+    def squared_norm_share(self) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm (see optim/clip.py); no communication.
+
+        Summed over all ranks it is the squared norm of the whole model's gradient,
+        whatever mix of data-parallel and tensor-parallel shards and replicas the
+        gradients are; pipeline stages add their shares to the same all-reduce.
+        """
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        stage_ranks = self.dims.world_size // self.dims.pp
+        return squared_norm_share(grads, stage_ranks, next(self.model.parameters()).device)
+
     @torch.no_grad()
+    def scale_gradients(self, factor: torch.Tensor | float) -> None:
+        """Multiply every gradient by `factor` (clipping by a norm computed elsewhere)."""
+        for p in self.model.parameters():
+            if p.grad is not None:
+                # The local piece: one plain multiply instead of a DTensor dispatch.
+                (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(factor)
+
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """Scale the gradients so their global norm is at most `max_norm`; return the norm before."""
-        if self.dims.dp == 1:
-            return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
-        # The gradients are DTensors: Shard(0) over dp_shard, replicated over dp_replicate.
-        # Their local pieces are disjoint over dp_shard, so the norm sums squares over that axis.
-        local = [p.grad.to_local() for p in self.model.parameters() if p.grad is not None]
-        group = self.mesh["dp_shard"].get_group() if self.dims.dp_shard > 1 else None
-        norm = sharded_grad_norm(local, group, next(self.model.parameters()).device)
-        coef = clip_coefficient(norm, max_norm)
-        for grad in local:
-            grad.mul_(coef)
-        return norm.item()
+        """Scale the gradients so their global norm is at most `max_norm`; return the norm before.
+
+        torch's DTensor-aware clipping: it reduces each placement correctly on FSDP2's
+        2-D (dp x tp) layouts, where the share rule above still undercounts
+        (tests/distributed/test_tp_training.py, tp 2 x dp 2 with ZeRO-3 and SP).
+        """
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
 
     def step(self) -> None:
         self.optimizer.step()

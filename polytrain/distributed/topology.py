@@ -2,14 +2,18 @@
 
 The mesh has named axes, outermost first:
 
-    ("dp_replicate", "dp_shard")      # tp / pp / cp slot in around these later
+    ("pp", "dp_replicate", "dp_shard", "tp")
 
-Ranks are laid out row-major over that shape, so the innermost axis holds
-consecutive ranks (inside one node); data parallelism, the outermost, spreads
-across nodes. Data-parallel ranks = dp_replicate x dp_shard: with ZeRO-3 the
-parameters are sharded over dp_shard and replicated over dp_replicate (HSDP);
-ZeRO-1/2 shard optimizer state (and gradients) over all of them, on dp_shard;
-without ZeRO everything sits on dp_replicate.
+Ranks are laid out row-major over that shape (Megatron's order): the innermost
+axis, tp, holds consecutive ranks, so a tensor-parallel group, which talks on every
+layer, stays inside one node; pipeline stages, which only pass activations to
+their neighbours, are outermost and go across nodes; data parallelism spreads over
+what is left. Axes of size 1 are kept, so code can always ask for `mesh["tp"]`.
+
+Data-parallel ranks = dp_replicate x dp_shard: with ZeRO-3 the parameters are
+sharded over dp_shard and replicated over dp_replicate (HSDP); ZeRO-1/2 shard
+optimizer state (and gradients) over all of them, on dp_shard; without ZeRO
+everything sits on dp_replicate.
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from polytrain.config import Config, ConfigError
 from polytrain.distributed.offload import check_nvme_path
+from polytrain.distributed.pipeline.plan import plan_from_config
+from polytrain.distributed.tensor_parallel.checks import check_tensor_parallel
 
-MESH_AXES = ("dp_replicate", "dp_shard")
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+PIPELINE_SCHEDULES_WITH_CHUNKS = ("interleaved", "zero_bubble")
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,9 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     zero: int
+    tp: int = 1
+    pp: int = 1
+    sp: bool = False
 
     @property
     def dp(self) -> int:
@@ -44,21 +54,45 @@ class ParallelDims:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.dp_replicate, self.dp_shard)
+        """Mesh shape in MESH_AXES order."""
+        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Where global `rank` sits on the mesh: {"pp": ..., "dp_replicate": ..., "dp_shard": ..., "tp": ...}."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside world size {self.world_size}")
+        coords = {}
+        for axis, size in reversed(list(zip(MESH_AXES, self.shape))):
+            coords[axis] = rank % size
+            rank //= size
+        return {axis: coords[axis] for axis in MESH_AXES}
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """The rank groups that communicate along `axis` (each group varies only that coordinate)."""
+        by_rest: dict[tuple, list[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coordinates(rank)
+            rest = tuple(v for a, v in c.items() if a != axis)
+            by_rest.setdefault(rest, []).append(rank)
+        return list(by_rest.values())
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> ParallelDims:
         p, t = cfg.parallel, cfg.train
-        model_parallel = 1  # tp * pp * cp once those exist
+        _check_model_parallel(cfg)
+        model_parallel = p.tp * p.pp
         if world_size % model_parallel:
-            raise ConfigError(f"world size {world_size} is not divisible by tp x pp x cp = {model_parallel}")
+            raise ConfigError(
+                f"world size {world_size} is not divisible by parallel.tp x parallel.pp = {p.tp} x {p.pp}; "
+                f"choose degrees whose product divides it, or set parallel.nproc to a multiple of {model_parallel}"
+            )
         dp = p.dp if p.dp != -1 else world_size // model_parallel
         if dp <= 0:
             raise ConfigError(f"parallel.dp = {p.dp} must be positive or -1 (whatever the world size leaves)")
         if dp * model_parallel != world_size:
             raise ConfigError(
                 f"parallel.dp = {dp} does not fit world size {world_size} "
-                f"(dp x tp x pp x cp must equal it); set parallel.dp = {world_size // model_parallel} or -1"
+                f"(dp x tp x pp must equal it); set parallel.dp = {world_size // model_parallel} or -1"
             )
         if p.zero == 3:
             shard = dp if p.zero_shard == -1 else p.zero_shard
@@ -71,6 +105,7 @@ class ParallelDims:
             if p.zero_shard not in (-1, 1):
                 raise ConfigError("parallel.zero_shard only applies with parallel.zero = 3; remove it or set zero = 3")
             shard = dp if p.zero in (1, 2) else 1
+        check_tensor_parallel(cfg)  # tp against the model, the sequence and the ZeRO stage
         if p.offload == "nvme" and p.nvme_path:
             check_nvme_path(p.nvme_path)  # here, not in config.validate: another machine may read the config
         per_step = t.micro_batch_size * dp
@@ -82,7 +117,9 @@ class ParallelDims:
                 f"train.micro_batch_size x dp = {t.micro_batch_size} x {dp} = {per_step}; "
                 f"set it to {' or '.join(map(str, options))}, or lower train.micro_batch_size"
             )
-        return cls(world_size=world_size, dp_replicate=dp // shard, dp_shard=shard, zero=p.zero)
+        plan_from_config(cfg, dp)  # the pipeline keys against the model and batch
+        return cls(world_size=world_size, dp_replicate=dp // shard, dp_shard=shard, zero=p.zero,
+                   tp=p.tp, pp=p.pp, sp=p.sp)
 
     def grad_accum_steps(self, cfg: Config) -> int:
         """Micro-batches each rank runs per optimizer step to reach the global batch."""
@@ -98,6 +135,23 @@ def dp_coordinates(mesh: DeviceMesh) -> tuple[int, int]:
     rep, shard = mesh["dp_replicate"], mesh["dp_shard"]
     rank = rep.get_local_rank() * shard.size() + shard.get_local_rank()
     return rank, rep.size() * shard.size()
+
+
+def _check_model_parallel(cfg: Config) -> None:
+    """Degrees and modes that are wrong whatever the world size."""
+    p = cfg.parallel
+    for key in ("tp", "pp", "tp_depth", "pp_virtual_stages"):
+        if getattr(p, key) < 1:
+            raise ConfigError(f"parallel.{key} = {getattr(p, key)} must be at least 1")
+    if p.pp_microbatches < 0:
+        raise ConfigError(f"parallel.pp_microbatches = {p.pp_microbatches} must be >= 0 (0 = one pipeline run per step)")
+    if p.sp and p.tp == 1:
+        raise ConfigError("parallel.sp = true splits the sequence over the tensor-parallel ranks; "
+                          "it needs parallel.tp > 1")
+    if p.tp_mode != "1d":
+        raise ConfigError(f"parallel.tp_mode = '{p.tp_mode}' is not available yet; use '1d'")
+    if p.tp_depth != 1 and p.tp_mode != "2.5d":
+        raise ConfigError("parallel.tp_depth only applies with parallel.tp_mode = '2.5d'")
 
 
 def _divisors(n: int) -> list[int]:

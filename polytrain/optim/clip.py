@@ -10,8 +10,11 @@ dispatch, together more than the arithmetic on a small model.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 @torch.no_grad()
@@ -33,3 +36,32 @@ def sharded_grad_norm(shards: list[torch.Tensor], group: dist.ProcessGroup | Non
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """The factor (<= 1) that brings a gradient of 2-norm `norm` to at most `max_norm`, as torch's."""
     return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
+@torch.no_grad()
+def squared_norm_share(grads: list[torch.Tensor], stage_ranks: int, device: torch.device) -> torch.Tensor:
+    """This rank's share of the squared global gradient norm; summed over all ranks it is the whole.
+
+    `grads` may be DTensors laid out over any mesh axes (data parallel shards or
+    replicas, tensor-parallel shards or replicas) or plain tensors. `stage_ranks` is
+    how many ranks hold the same part of the model (world size / pp). A piece that
+    `stage_ranks / pieces` ranks hold identically contributes that fraction of its
+    squared norm on each of them, so one all-reduce over the world (which also adds
+    the pipeline stages up) gives the norm without knowing which axis is which.
+    """
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        pieces = 1
+        if isinstance(g, DTensor):
+            mesh = g.device_mesh
+            pieces = math.prod(mesh.size(i) for i, p in enumerate(g.placements) if p.is_shard())
+            g = g.to_local()
+        total += torch.linalg.vector_norm(g.float()).square().to(device) * (pieces / stage_ranks)
+    return total
+
+
+def global_norm(share: torch.Tensor) -> torch.Tensor:
+    """sqrt of the sum over every rank of `share` (one scalar all-reduce; none in a single process)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(share)
+    return share.sqrt()

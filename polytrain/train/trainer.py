@@ -23,9 +23,12 @@ import torch.nn.functional as F
 from polytrain.backend import get_accelerator
 from polytrain.config import Config, to_toml
 from polytrain.data import GlobalBatchSampler, TokenDataset, prepare_corpus, val_batches
+from polytrain.data.objectives import build_objective, reserved_ids
 from polytrain.distributed.activation_checkpoint import apply_activation_checkpointing
 from polytrain.distributed.data_parallel import build_data_parallel
 from polytrain.distributed.materialize import materialize
+from polytrain.distributed.pipeline import PipelineRunner, plan_from_config, run_under, split_model
+from polytrain.distributed.tensor_parallel import shard_sizes, vocab_parallel_loss
 from polytrain.distributed.topology import ParallelDims, dp_coordinates
 from polytrain.distributed.world import barrier, init_world, max_over_world, mean_over_world
 from polytrain.errors import TrainingDiverged
@@ -61,8 +64,16 @@ class Trainer:
         self.acc.manual_seed(cfg.run.seed)
         self.corpus = self._prepare_corpus()
         self.tokenizer = self.corpus.tokenizer
+        # What the model reads and the loss scores: causal LM, BERT's masked LM or T5's span corruption.
+        self.objective = build_objective(cfg, self.tokenizer)
         self.dp = build_data_parallel(self.dims, self.mesh, cfg.parallel, run_dir=self.run_dir)
+        self.autocast_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
+                               "fp16": torch.float16}[cfg.train.precision]
+        self.pipeline: PipelineRunner | None = None  # set by _build_model when parallel.pp > 1
         self.model = self._build_model()
+        # Under tp the model returns vocabulary-split logits (B, T, V/tp).
+        self.loss_fn = (vocab_parallel_loss(self.mesh["tp"], cfg.model.vocab_size) if self.dims.tp > 1
+                        else causal_lm_loss)
         # The optimizer whose param_groups carry the learning rate (ZeRO: the one over master shards).
         self.optimizer = self.dp.build_optimizer(self.model, cfg.train)
         seq_len = cfg.data.seq_len
@@ -79,9 +90,6 @@ class Trainer:
             self.dp_rank, self.dp_size,
         )
         self.tokens_per_step = cfg.train.global_batch_size * seq_len
-        self.flops_per_token = self.model.flops_per_token(seq_len)
-        self.autocast_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
-                               "fp16": torch.float16}[cfg.train.precision]
         self.scaler = self._loss_scaler()
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self._rng_state, self._set_rng_state)
         self.step = 0
@@ -104,22 +112,53 @@ class Trainer:
     def _prepare_corpus(self):
         # Rank 0 trains the tokenizer and tokenizes once; the others then hit the cache.
         if self.world.is_main:
-            corpus = prepare_corpus(self.cfg.data, self.cfg.model.vocab_size)
+            corpus = prepare_corpus(self.cfg.data, self._tokenizer_vocab())
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
             corpus.tokenizer.save(self.run_dir / "tokenizer.json")
         barrier()
         if not self.world.is_main:
-            corpus = prepare_corpus(self.cfg.data, self.cfg.model.vocab_size)
+            corpus = prepare_corpus(self.cfg.data, self._tokenizer_vocab())
         return corpus
 
+    def _tokenizer_vocab(self) -> int:
+        # The objective's special ids ([MASK], T5's sentinels) take the top of the model's vocabulary.
+        return self.cfg.model.vocab_size - reserved_ids(self.cfg)
+
     def _build_model(self) -> torch.nn.Module:
-        """Meta-device model -> activation checkpointing -> data parallel -> real weights."""
+        """Meta-device model -> pipeline stages -> tensor parallel -> activation checkpointing
+        -> data parallel -> real weights.
+
+        Under pipeline parallelism the returned module is an nn.ModuleDict of this
+        rank's stages ({global stage index: pruned model}) and `self.pipeline` runs them.
+        """
+        cfg, dims = self.cfg, self.dims
+        arch = ARCHITECTURES[cfg.model.arch]
         with torch.device("meta"):
-            model = ARCHITECTURES[self.cfg.model.arch].build(self.cfg.model)
-        apply_activation_checkpointing(model, self.cfg.train.activation_checkpoint)
-        model = self.dp.parallelize(model)
-        materialize(model, self.device, self.cfg.run.seed)
+            model = arch.build(cfg.model)
+        # Whole-model figures, whatever part of it this rank ends up holding.
+        self.num_params = model.num_params()
+        self.flops_per_token = model.flops_per_token(cfg.data.seq_len)
+        plan = plan_from_config(cfg, dims.dp)
+        pp_rank = self.mesh["pp"].get_local_rank() if plan else 0
+        stages = split_model(model, plan, pp_rank) if plan else {"": model}
+        for stage in stages.values():
+            arch.parallelize(stage, dims, self.mesh)  # tp/sp and dropout streams; nothing on one rank
+            apply_activation_checkpointing(stage, cfg.train.activation_checkpoint)
+        model = self.dp.parallelize(stages if plan else model)
+        for stage in stages.values():
+            materialize(stage, self.device, cfg.run.seed)
+        if plan:
+            for stage in stages.values():  # the schedule calls the stages; autocast goes with them
+                run_under(stage, lambda: self.acc.autocast(self.autocast_dtype))
+            mbs, seq, dim = cfg.train.micro_batch_size, cfg.data.seq_len, cfg.model.dim
+            # Under tp the head's logits are this rank's vocabulary slice; under sp the
+            # residual stream between stages is this rank's sequence slice.
+            tp_rank = self.mesh["tp"].get_local_rank()
+            vocab = shard_sizes(cfg.model.vocab_size, dims.tp)[tp_rank]
+            hidden = (mbs, seq // dims.tp if dims.sp else seq, dim)
+            self.pipeline = PipelineRunner(plan, stages, pp_rank, self.mesh["pp"].get_group(), self.device,
+                                           mbs, seq, hidden_shape=hidden, logits_shape=(mbs, seq, vocab))
         return model
 
     def _loss_scaler(self) -> LossScaler | None:
@@ -151,6 +190,10 @@ class Trainer:
         state = self.checkpointer.load(path, self.dp, self._trainer_state())
         for group, values in zip(self.optimizer.param_groups, hyper):
             group.update(values)
+        if state.weights_only:  # an imported model: its weights, then a fresh run from step 0
+            if self.world.is_main:
+                print(f"initialised from the weights of {path}", flush=True)
+            return 0
         self.sampler.load_state_dict(state.sampler)
         if self.scaler is not None and state.loss_scaler is not None:
             self.scaler.load_state_dict(state.loss_scaler)
@@ -172,18 +215,19 @@ class Trainer:
 
     def _loss(self, indices: list[int], data: TokenDataset) -> torch.Tensor:
         inputs, targets = data.get_batch(indices)  # (B, T) each
-        inputs = inputs.to(self.device, non_blocking=True)
+        args, targets = self.objective.batch(inputs, targets, indices)  # model inputs; -100 = not scored
+        args = [a.to(self.device, non_blocking=True) for a in args]
         targets = targets.to(self.device, non_blocking=True)
         with self.acc.autocast(self.autocast_dtype):
-            logits = self.model(inputs)  # (B, T, V)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            logits = self.model(*args)  # (B, T', V)
+        return self.loss_fn(logits, targets)
 
-    def train_step(self) -> dict[str, float]:
-        """One optimizer step over the global batch; returns the step's loss, grad norm and lr."""
-        self.model.train()
-        local = self.sampler.next_batch()  # this rank's global_batch / dp sample indices
-        mbs = self.cfg.train.micro_batch_size
-        micro_batches = [local[i:i + mbs] for i in range(0, len(local), mbs)]
+    def _forward_backward(self, micro_batches: list[list[int]]) -> float:
+        """Accumulate the gradients of the step's micro-batches; returns the step's mean loss (all ranks)."""
+        scale = self.scaler.scale_loss if self.scaler else None
+        if self.pipeline is not None:
+            loss_sum = self.pipeline.train_step(micro_batches, self.train_data, self.loss_fn, scale)
+            return self.pipeline.mean_loss(loss_sum)
         loss_sum = torch.zeros((), device=self.device)
         for i, indices in enumerate(micro_batches):
             self.dp.before_micro_batch(self.model, last=i == len(micro_batches) - 1)
@@ -191,9 +235,16 @@ class Trainer:
             # micro-batch means (and, after the data-parallel gradient average,
             # of the ranks' means) is the mean over the whole global batch.
             loss = self._loss(indices, self.train_data) / len(micro_batches)
-            (self.scaler.scale_loss(loss) if self.scaler else loss).backward()
+            (scale(loss) if scale else loss).backward()
             loss_sum += loss.detach()
-        loss_value = mean_over_world(loss_sum).item()
+        return mean_over_world(loss_sum).item()
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over the global batch; returns the step's loss, grad norm and lr."""
+        self.model.train()
+        local = self.sampler.next_batch()  # this rank's global_batch / dp sample indices
+        mbs = self.cfg.train.micro_batch_size
+        loss_value = self._forward_backward([local[i:i + mbs] for i in range(0, len(local), mbs)])
         stats = {"loss": loss_value}
         if self.scaler is not None:
             stats["loss_scale"] = self.scaler.scale
@@ -228,6 +279,8 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean validation loss over the fixed validation batches of all ranks."""
         self.model.eval()
+        if self.pipeline is not None:
+            return self.pipeline.evaluate(self.val_indices, self.val_data, self.loss_fn)
         total = torch.zeros((), device=self.device)
         for indices in self.val_indices:
             total += self._loss(indices, self.val_data)
@@ -288,7 +341,11 @@ class Trainer:
         last_val = self.evaluate()
         self.metrics.log({"step": self.step, "val_loss": last_val, "time": time.perf_counter() - start})
         checkpoint = self.save() if saved_step != self.step else latest_checkpoint(self.run_dir)
-        sample = self.sample() if cfg.run.sample_tokens > 0 else ""
+        can_sample = self.objective.name == "causal"
+        sample = self.sample() if cfg.run.sample_tokens > 0 and can_sample and self.pipeline is None else ""
+        if cfg.run.sample_tokens > 0 and can_sample and self.pipeline is not None and main:
+            print("no text sample under pipeline parallelism (generation runs on one process): "
+                  f"polytrain generate {self.run_dir}", flush=True)
         if main:
             plot_loss(self.run_dir)
         self.close()
@@ -304,10 +361,16 @@ class Trainer:
     def describe(self) -> str:
         """Two lines on what this run is: model, layout, device, batch."""
         m, t, d = self.cfg.model, self.cfg.train, self.dims
-        layout = f"{d.world_size} process(es): dp {d.dp}" + (
+        layout = f"{d.world_size} process(es): " + "".join(
+            f"{name} {n} x " for name, n in (("pp", d.pp), ("tp", d.tp)) if n > 1) + f"dp {d.dp}" + (
+            " (sequence parallel)" if d.sp else "") + (
             f", ZeRO-{d.zero} over {d.dp_shard}" if d.zero else "") + (
             f" (x{d.dp_replicate} replicas)" if d.zero == 3 else "")
-        return (f"model {m.arch} {m.size}: {self.model.num_params() / 1e6:.1f}M parameters | {layout} | "
+        if self.pipeline is not None:
+            plan = self.pipeline.plan
+            layout += (f" | pipeline {plan.schedule}: {plan.num_stages} stages, {plan.microbatches} "
+                       f"micro-batches x {plan.runs} run(s) per step")
+        return (f"model {m.arch} {m.size}: {self.num_params / 1e6:.1f}M parameters | {layout} | "
                 f"{self.acc.describe()}\n"
                 f"global batch {t.global_batch_size} x {self.cfg.data.seq_len} tokens "
                 f"({t.micro_batch_size} per micro-batch, {self.accum} accumulation steps) | "
@@ -318,6 +381,11 @@ class Trainer:
         if not peak:
             return None
         return tokens_per_s * self.flops_per_token / (peak * self.world.world_size)
+
+
+def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy: logits (B, T, V), targets (B, T) -> scalar, computed in fp32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:

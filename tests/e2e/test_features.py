@@ -18,9 +18,10 @@ def plain_run(small_corpus, tmp_path_factory):
     return train_rows(run_dir)
 
 
-def test_activation_checkpointing_changes_memory_not_math(small_corpus, tmp_path, plain_run):
-    train(tiny_overrides(small_corpus, tmp_path, run__steps=6, train__activation_checkpoint="full"))
-    assert_same_trajectory(plain_run, train_rows(tmp_path), 1e-6, "activation checkpointing")
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_changes_memory_not_math(small_corpus, tmp_path, plain_run, mode):
+    train(tiny_overrides(small_corpus, tmp_path, run__steps=6, train__activation_checkpoint=mode))
+    assert_same_trajectory(plain_run, train_rows(tmp_path), 1e-6, f"{mode} activation checkpointing")
 
 
 def test_bf16_trains_close_to_fp32(small_corpus, tmp_path, plain_run):

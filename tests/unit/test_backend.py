@@ -47,10 +47,47 @@ def test_unknown_name_lists_known_ones(monkeypatch):
 
 
 def test_unavailable_request_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(CUDAAccelerator, "is_available", classmethod(lambda cls: False))
+    monkeypatch.setattr(CUDAAccelerator, "unavailable_reason",
+                        classmethod(lambda cls: "torch sees no GPU"))
     monkeypatch.setenv("POLYTRAIN_ACCELERATOR", "cuda")
-    with pytest.raises(RuntimeError, match="cuda is not available"):
+    with pytest.raises(RuntimeError, match="cuda is not available in this process: torch sees no GPU"):
         get_accelerator()
+
+
+def test_requesting_a_vendor_backend_without_its_package_says_so(monkeypatch):
+    monkeypatch.setenv("POLYTRAIN_ACCELERATOR", "npu")
+    with pytest.raises(RuntimeError, match="torch_npu is not installed"):
+        get_accelerator()
+
+
+def test_builtin_backends_their_order_and_collective_libraries():
+    assert list(ACCELERATORS) == ["npu", "mlu", "musa", "cuda", "xpu", "mps", "cpu"]
+    assert {name: cls.dist_backend for name, cls in ACCELERATORS.items()} == {
+        "npu": "hccl", "mlu": "cncl", "musa": "mccl", "cuda": "nccl", "xpu": "xccl",
+        "mps": "gloo", "cpu": "gloo"}
+    assert {cls.vendor_module for cls in ACCELERATORS.values()} == {
+        "torch_npu", "torch_mlu", "torch_musa", None}
+
+
+def test_detection_takes_the_first_available_in_order(monkeypatch):
+    for name in ("xpu", "mps", "npu"):
+        monkeypatch.setattr(ACCELERATORS[name], "is_available", classmethod(lambda cls: True))
+    monkeypatch.setattr(ACCELERATORS["npu"], "__init__", lambda self: None)
+    assert get_accelerator().name == "npu"  # out-of-tree stacks before cuda, xpu, mps
+    get_accelerator.cache_clear()
+    monkeypatch.setattr(ACCELERATORS["npu"], "is_available", classmethod(lambda cls: False))
+    assert get_accelerator().name == "xpu"
+
+
+def test_probing_for_devices_imports_no_vendor_package():
+    """Detection asks importlib whether torch_npu etc. exist; it imports none that is absent."""
+    import sys
+
+    for cls in ACCELERATORS.values():
+        cls.is_available()
+    assert not {"torch_npu", "torch_mlu", "torch_musa"} & set(sys.modules)
+    for name in ("npu", "mlu", "musa"):
+        assert ACCELERATORS[name].unavailable_reason() == f"torch_{name} is not installed"
 
 
 def test_memory_stats_track_rss():
@@ -88,9 +125,7 @@ def test_autocast_float32_is_a_no_op_and_bf16_casts():
 def test_cpu_peak_flops_is_measured_once_and_cached(monkeypatch, tmp_path):
     monkeypatch.setattr(flops, "_machine_is_quiet", lambda: True)
     acc = CPUAccelerator()
-    start = time.perf_counter()
     fp32 = acc.peak_flops(torch.float32)
-    assert time.perf_counter() - start < 2.0
     assert fp32 > 1e8
     cache = json.loads((tmp_path / "cache" / "peak_flops.json").read_text())
     assert any(key.endswith("torch.float32") for key in cache)

@@ -262,3 +262,24 @@ def test_rms_norm_scales_to_unit_rms_and_keeps_dtype():
     low = norm(x.bfloat16())
     assert low.dtype == torch.bfloat16
     torch.testing.assert_close(low.float(), y, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("mode, core_runs, block_runs", [("none", 2, 2), ("selective", 4, 2), ("full", 4, 4)])
+def test_activation_checkpointing_recomputes_what_its_mode_names(monkeypatch, mode, core_runs, block_runs):
+    from polytrain.distributed.activation_checkpoint import apply_activation_checkpointing
+    from polytrain.models.common.attention import Attention
+    from polytrain.models.llama.model import Block
+
+    calls = {"core": 0, "block": 0}
+    for cls, key in ((Attention, "core"), (Block, "block")):
+        original = getattr(cls, "core" if key == "core" else "forward")
+
+        def counted(self, *args, _original=original, _key=key, **kwargs):
+            calls[_key] += 1
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(cls, "core" if key == "core" else "forward", counted)
+    model = make()
+    apply_activation_checkpointing(model, mode)
+    model(tokens(2, 8)).sum().backward()
+    # Two layers: each counted function runs once per layer in forward, again if recomputed.
+    assert (calls["core"], calls["block"]) == (core_runs, block_runs)

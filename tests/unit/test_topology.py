@@ -18,14 +18,14 @@ def test_dp_defaults_to_the_whole_world():
 
 
 def test_zero3_shards_over_all_dp_or_a_group():
-    assert dims(4, "--parallel.zero", "3").shape == (1, 4)
-    assert dims(4, "--parallel.zero", "3", "--parallel.zero_shard", "2").shape == (2, 2)
+    assert dims(4, "--parallel.zero", "3").shape == (1, 1, 4, 1)
+    assert dims(4, "--parallel.zero", "3", "--parallel.zero_shard", "2").shape == (1, 2, 2, 1)
 
 
 @pytest.mark.parametrize("stage", ["1", "2"])
 def test_zero12_shards_over_all_dp(stage):
     d = dims(4, "--parallel.zero", stage)
-    assert d.shape == (1, 4) and d.zero == int(stage)
+    assert d.shape == (1, 1, 4, 1) and d.zero == int(stage)
 
 
 def test_grad_accumulation_fills_the_global_batch():
@@ -39,8 +39,43 @@ def test_grad_accumulation_fills_the_global_batch():
     (4, ["--parallel.zero", "3", "--parallel.zero_shard", "3"], "parallel.zero_shard = 3 must divide parallel.dp = 4; choose one of 1, 2, 4"),
     (2, ["--parallel.zero_shard", "2"], "only applies with parallel.zero = 3"),
     (2, ["--parallel.dp", "0"], "must be positive or -1"),
+    (6, ["--parallel.tp", "4"], "world size 6 is not divisible by parallel.tp x parallel.pp = 4 x 1"),
+    (4, ["--parallel.tp", "2", "--parallel.dp", "4"], "parallel.dp = 4 does not fit world size 4"),
+    (2, ["--parallel.sp", "true"], "it needs parallel.tp > 1"),
+    (4, ["--parallel.tp", "4", "--parallel.tp_mode", "2d"], "parallel.tp_mode = '2d' is not available yet"),
+    (2, ["--parallel.pp", "0"], "parallel.pp = 0 must be at least 1"),
 ])
 def test_inconsistent_degrees(world, args, message):
     with pytest.raises(ConfigError) as err:
         dims(world, *args)
     assert message in str(err.value)
+
+
+def test_model_parallel_degrees_leave_the_rest_to_dp():
+    d = dims(8, "--parallel.tp", "2", "--parallel.pp", "2")
+    assert (d.dp, d.tp, d.pp, d.shape) == (2, 2, 2, (2, 2, 1, 2))
+
+
+def test_two_nodes_of_four_tp_stays_inside_a_node_and_dp_spans_nodes():
+    # Ranks 0-3 are node 0, 4-7 node 1 (torchrun numbers ranks node by node).
+    d = dims(8, "--parallel.tp", "2")
+    assert d.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert d.groups("dp_replicate") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert d.coordinates(5) == {"pp": 0, "dp_replicate": 2, "dp_shard": 0, "tp": 1}
+
+
+def test_two_nodes_of_four_pipeline_stages_go_across_nodes():
+    d = dims(8, "--parallel.tp", "2", "--parallel.pp", "2")
+    assert d.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert d.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert d.groups("dp_replicate") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert [d.coordinates(r)["pp"] for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_coordinates_match_the_device_mesh_layout():
+    import torch
+    d = dims(8, "--parallel.tp", "2", "--parallel.pp", "2", "--parallel.zero", "3")
+    layout = torch.arange(8).reshape(d.shape)
+    for rank in range(8):
+        c = d.coordinates(rank)
+        assert layout[c["pp"], c["dp_replicate"], c["dp_shard"], c["tp"]].item() == rank

@@ -1,0 +1,44 @@
+"""Start-up checks for tensor/sequence parallelism: one line naming the key and the fix."""
+
+from __future__ import annotations
+
+from polytrain.config import Config, ConfigError, ModelConfig
+
+
+def kv_heads_split(n_kv_heads: int, tp: int) -> bool:
+    """KV heads split evenly, or each shared by tp / n_kv_heads consecutive ranks."""
+    return n_kv_heads % tp == 0 or tp % n_kv_heads == 0
+
+
+def valid_tp_degrees(m: ModelConfig) -> list[int]:
+    """Every tp that splits this model's heads, KV heads and FFN width."""
+    return [t for t in range(1, m.n_heads + 1)
+            if m.n_heads % t == 0 and m.ffn_dim % t == 0 and kv_heads_split(m.n_kv_heads, t)]
+
+
+def check_tensor_parallel(cfg: Config) -> None:
+    """Fail unless parallel.tp / parallel.sp fit the model, the sequence and the ZeRO stage."""
+    p, m = cfg.parallel, cfg.model
+    if p.tp == 1:
+        return
+    if p.zero in (1, 2):
+        raise ConfigError(
+            f"parallel.zero = {p.zero} with parallel.tp = {p.tp} is not supported yet (ZeRO-1/2 "
+            f"shard replicated parameters, not tensor-parallel shards); use parallel.zero = 0 or 3")
+    problems = []
+    if m.n_heads % p.tp:
+        problems.append(f"model.n_heads = {m.n_heads}")
+    if not kv_heads_split(m.n_kv_heads, p.tp):
+        problems.append(f"model.n_kv_heads = {m.n_kv_heads} (tp must divide it or be a multiple of it)")
+    if m.ffn_dim % p.tp:
+        problems.append(f"model.ffn_dim = {m.ffn_dim}")
+    if problems:
+        valid = ", ".join(map(str, valid_tp_degrees(m)))
+        raise ConfigError(f"parallel.tp = {p.tp} does not split {' and '.join(problems)}; "
+                          f"tp values that fit this model: {valid}")
+    seq = cfg.data.seq_len
+    if p.sp and seq % p.tp:
+        raise ConfigError(
+            f"parallel.sp splits each sequence into parallel.tp = {p.tp} equal parts, but "
+            f"data.seq_len = {seq} is not a multiple of {p.tp}; use data.seq_len = "
+            f"{seq // p.tp * p.tp or p.tp} or {(seq // p.tp + 1) * p.tp}, or parallel.sp = false")

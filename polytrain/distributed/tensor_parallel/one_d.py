@@ -1,0 +1,223 @@
+"""1D (Megatron-LM) tensor parallelism: each plan role's implementation.
+
+Weights are DTensors on the tp mesh, so Distributed Checkpoint reshards them to any
+other layout; compute runs on their local shards with the explicit collectives of
+TPContext (enter / leave a region), which DTensor would otherwise insert one op at a time.
+
+    role             weight placement        input -> output (per rank)
+    vocab_embedding  (V, D) Shard(0)         tokens (B, T) -> (B, T, D), or (B, T/tp, D) under SP
+    norm             Replicate               (B, T, D) -> same; under SP (B, T/tp, D), gain grads summed over tp
+    region           (none: wraps a module)  its input enters the region: copy, or all-gather under SP
+    column           (out, in) Shard(0)      (B, T, in) -> (B, T, out/tp)
+    row              (out, in) Shard(1)      (B, T, in/tp) -> (B, T, out) summed, or (B, T/tp, out) under SP
+    vocab_head       (V, D) Shard(0)         (B, T, D) or (B, T/tp, D) -> logits (B, T, V/tp)
+    root             (none: wraps the model) per-forward switches and the residual dropout stream
+
+A vocabulary that tp does not divide is split unevenly (torch.chunk sizes, see
+shard_range): no padding rows exist, so none can win in the loss or be sampled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
+
+from polytrain.distributed.collectives import copy_to_tp, gather_from_tp
+from polytrain.distributed.tensor_parallel.context import TPContext, shard_range, shard_sizes
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output features split over tp; weight (out, in) and bias Shard(0).
+
+    The input is already in the tensor-parallel region (the enclosing `region` entered
+    it once for all of the module's column layers): (B, T, in), the same on every rank.
+    Output (B, T, out/tp): this rank's features (its heads, its FFN columns).
+
+    Shared units (grouped-query attention with tp > n_kv_heads): the weight is
+    replicated and rank r computes unit r // (tp / units) only, e.g. KV head r // 2 of
+    2 heads at tp = 4. Its gradient is the sum of what the ranks sharing each unit
+    contribute, so the local weight enters through copy_to_tp (backward all-reduce).
+    """
+
+    def __init__(self, linear: nn.Linear, ctx: TPContext, unit: int = 1, shared_units: bool = False):
+        super().__init__()
+        self.in_features, self.out_features, self.ctx = linear.in_features, linear.out_features, ctx
+        units, n = self.out_features // unit, ctx.size
+        if self.out_features % unit or (units % n and not (shared_units and n % units == 0)):
+            raise ValueError(f"column-parallel linear: {units} units of {unit} output features cannot "
+                             f"be split over tp = {n}")
+        self.rows: slice | None = None  # rows of a replicated weight this rank uses (shared units)
+        placement = Shard(0)
+        if units % n:
+            placement, owner = Replicate(), ctx.rank // (n // units)
+            self.rows = slice(owner * unit, (owner + 1) * unit)
+        self.weight = ctx.distribute(linear.weight, [placement])
+        self.bias = ctx.distribute(linear.bias, [placement]) if linear.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.to_local()  # (out/tp, in), or (out, in) for shared units
+        b = self.bias.to_local() if self.bias is not None else None
+        if self.rows is not None:
+            w = copy_to_tp(w, self.ctx.group)[self.rows]  # (unit, in)
+            b = copy_to_tp(b, self.ctx.group)[self.rows] if b is not None else None
+        return F.linear(x, w, b)  # (B, T, out/tp)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, tp={self.ctx.size}"
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input features split over tp; weight (out, in) Shard(1), bias Replicate.
+
+    Input (B, T, in/tp): a column layer's local output. Each rank's product is a partial
+    sum of y; leaving the region sums it: all-reduce to (B, T, out), or under SP
+    reduce-scatter to this rank's tokens (B, T/tp, out). The bias is added once, after.
+    """
+
+    def __init__(self, linear: nn.Linear, ctx: TPContext):
+        super().__init__()
+        self.in_features, self.out_features, self.ctx = linear.in_features, linear.out_features, ctx
+        if self.in_features % ctx.size:
+            raise ValueError(f"row-parallel linear: {self.in_features} input features cannot be split "
+                             f"over tp = {ctx.size}")
+        self.weight = ctx.distribute(linear.weight, [Shard(1)])
+        self.bias = ctx.distribute(linear.bias, [Replicate()]) if linear.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ctx.leave(F.linear(x, self.weight.to_local()))  # (B, T, out) or (B, T/tp, out)
+        if self.bias is not None:
+            y = y + self.ctx.residual_param(self.bias)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, tp={self.ctx.size}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split over tp: weight (V, D) Shard(0).
+
+    Each rank looks up the tokens in its row range and contributes zeros for the rest;
+    summing over tp (leave) completes every row: (B, T, D), or (B, T/tp, D) under SP.
+    """
+
+    def __init__(self, embedding: nn.Embedding, ctx: TPContext):
+        super().__init__()
+        if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
+            raise ValueError("vocabulary-parallel embedding supports neither padding_idx, max_norm nor sparse")
+        self.num_embeddings, self.embedding_dim, self.ctx = embedding.num_embeddings, embedding.embedding_dim, ctx
+        self.start, self.end = shard_range(self.num_embeddings, ctx.size, ctx.rank)
+        self.weight = ctx.distribute(embedding.weight, [Shard(0)])
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        w = self.weight.to_local()  # (V_local, D)
+        local = tokens - self.start  # (B, T)
+        inside = (local >= 0) & (local < w.shape[0])
+        if w.shape[0] == 0:  # an empty shard (tiny vocabulary, large tp): contributes zeros
+            partial = w.sum() * 0 + w.new_zeros(*tokens.shape, self.embedding_dim)
+        else:
+            partial = F.embedding(local.clamp(0, w.shape[0] - 1), w).masked_fill(~inside[..., None], 0.0)
+        return self.ctx.leave(partial)  # (B, T, D) or (B, T/tp, D)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.start}, {self.end}) of tp={self.ctx.size}"
+
+
+class VocabParallelHead(nn.Module):
+    """Output projection with the vocabulary split over tp: weight (V, D) Shard(0), no bias.
+
+    Returns this rank's logits (B, T, V/tp): the full (B, T, V) never exists during
+    training; the vocabulary-parallel cross-entropy works on the shards. While decoding
+    (ctx.full_logits) it gathers them, since sampling needs every token's logit.
+    """
+
+    def __init__(self, linear: nn.Linear, ctx: TPContext):
+        super().__init__()
+        if linear.bias is not None:
+            raise ValueError("vocabulary-parallel head has no bias")
+        self.in_features, self.out_features, self.ctx = linear.in_features, linear.out_features, ctx
+        self.weight = ctx.distribute(linear.weight, [Shard(0)])  # the embedding's, when tied
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(self.ctx.enter(h), self.weight.to_local())  # (B, T, V/tp)
+        if self.ctx.full_logits:
+            logits = gather_from_tp(logits, -1, shard_sizes(self.out_features, self.ctx.size), self.ctx.group)
+        return logits
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, vocab={self.out_features}, tp={self.ctx.size}"
+
+
+@contextlib.contextmanager
+def _local_parameters(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Let `module`'s own forward see plain local tensors in place of its DTensor parameters."""
+    saved = {name: module._parameters[name] for name in tensors}
+    module._parameters.update(tensors)
+    try:
+        yield
+    finally:
+        module._parameters.update(saved)
+
+
+def norm(module: nn.Module, ctx: TPContext) -> nn.Module:
+    """Replicated-weight module on the residual stream (RMSNorm, LayerNorm): any class, in place."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        setattr(module, name, ctx.distribute(param, [Replicate()]))
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        local = {name: ctx.residual_param(p) for name, p in module.named_parameters(recurse=False)}
+        with _local_parameters(module, local):
+            return inner(*args, **kwargs)
+
+    module.forward = forward
+    return module
+
+
+def region(module: nn.Module, ctx: TPContext, sharded_methods: tuple[str, ...] = ()) -> nn.Module:
+    """The module's first input enters the tensor-parallel region, once for all its column layers.
+
+    `sharded_methods` compute on this rank's shard only (attention's `core` on its heads):
+    their dropout draws from the per-rank stream.
+    """
+    inner = module.forward
+
+    def forward(x, *args, **kwargs):
+        return inner(ctx.enter(x), *args, **kwargs)
+
+    module.forward = forward
+    for name in sharded_methods:
+        setattr(module, name, _under(getattr(module, name), lambda: ctx.sharded_rng(module.training)))
+    return module
+
+
+def root(module: nn.Module, ctx: TPContext, cache_argument: str = "cache") -> nn.Module:
+    """Per forward: decoding with a KV cache turns SP off and gathers full logits; dropout streams."""
+    inner = module.forward
+    signature = inspect.signature(inner)
+
+    def forward(*args, **kwargs):
+        decoding = signature.bind(*args, **kwargs).arguments.get(cache_argument) is not None
+        ctx.sp_active, ctx.full_logits = ctx.sp and not decoding, decoding
+        try:
+            with ctx.residual_rng(module.training):
+                return inner(*args, **kwargs)
+        finally:
+            ctx.sp_active, ctx.full_logits = ctx.sp, False
+
+    module.forward = forward
+    return module
+
+
+def _under(fn: Callable, context: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with context():
+            return fn(*args, **kwargs)
+    return wrapped

@@ -1,0 +1,160 @@
+"""Declarative tensor-parallel plans: module-name patterns -> the role each module plays.
+
+A model's plan names roles, not layer classes (polytrain/models/llama/parallelize.py):
+
+    {"": Root(),
+     "tok_embeddings": VocabEmbedding(),
+     "layers.*.attention_norm": Norm(),
+     "layers.*.attention": Region(sharded_methods=("core",)),
+     "layers.*.attention.wq": Column(unit=head_dim),
+     "layers.*.attention.wo": Row(), ...
+     "output": VocabHead()}
+
+`parallelize_tp(model, plan, mesh, sp, mode)` applies it from outside: the mode ("1d"
+today; 2d / 2.5d / 3d later) supplies each role's implementation, which replaces the
+matching module or rewires it in place, keeping every module and parameter name.
+Patterns are dot-separated names where "*" matches one component and "" is the model
+itself. A pattern may match nothing: a pipeline stage holds only some layers, and may
+have no embedding, final norm or head.
+
+The data flow the roles assume (batch-first activations; T/tp only under SP):
+
+    tokens (B, T) -> VocabEmbedding -> (B, T[/tp], D)                 residual stream
+      -> Norm -> Region enters: (B, T, D) on every rank -> Column ... -> (B, T, F/tp)
+      -> Row leaves: (B, T[/tp], D) -> + residual ...
+      -> Norm -> VocabHead (enters) -> logits (B, T, V/tp) -> vocabulary-parallel loss
+
+A pipeline stage's input and output hidden states are the residual stream as this rank
+holds it: (B, T/tp, D) under SP (this rank's tokens), (B, T, D) otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from polytrain.distributed.rng import DropoutRNG
+from polytrain.distributed.tensor_parallel import one_d
+from polytrain.distributed.tensor_parallel.context import TPContext
+
+
+@dataclass(frozen=True)
+class Style:
+    role: ClassVar[str]
+
+
+@dataclass(frozen=True)
+class Root(Style):
+    """The model (or stage) itself: per-forward switches; `cache_argument` names the KV cache."""
+
+    role: ClassVar[str] = "root"
+    cache_argument: str = "cache"
+
+
+@dataclass(frozen=True)
+class VocabEmbedding(Style):
+    """Token embedding, rows split by vocabulary."""
+
+    role: ClassVar[str] = "vocab_embedding"
+
+
+@dataclass(frozen=True)
+class Norm(Style):
+    """Replicated weights on the residual stream; runs on sequence shards under SP."""
+
+    role: ClassVar[str] = "norm"
+
+
+@dataclass(frozen=True)
+class Region(Style):
+    """A module whose input enters the tensor-parallel region (attention, MLP).
+
+    `sharded_methods`: its methods that compute on this rank's shard only (e.g. the
+    attention core on local heads), whose dropout must differ across ranks.
+    """
+
+    role: ClassVar[str] = "region"
+    sharded_methods: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Column(Style):
+    """Linear layer with its output features split.
+
+    `unit`: features that must stay together (a head's head_dim). `shared_units`: when
+    tp exceeds the number of units, each unit is replicated on tp / units consecutive
+    ranks (KV heads of grouped-query attention).
+    """
+
+    role: ClassVar[str] = "column"
+    unit: int = 1
+    shared_units: bool = False
+
+
+@dataclass(frozen=True)
+class Row(Style):
+    """Linear layer with its input features split; its output leaves the region."""
+
+    role: ClassVar[str] = "row"
+
+
+@dataclass(frozen=True)
+class VocabHead(Style):
+    """Output projection, rows split by vocabulary; logits stay split for the loss."""
+
+    role: ClassVar[str] = "vocab_head"
+
+
+Plan = dict[str, Style]
+Implementation = Callable[[nn.Module, Style, TPContext], nn.Module]
+
+MODES: dict[str, dict[str, Implementation]] = {
+    "1d": {
+        "root": lambda m, s, ctx: one_d.root(m, ctx, s.cache_argument),
+        "vocab_embedding": lambda m, s, ctx: one_d.VocabParallelEmbedding(m, ctx),
+        "norm": lambda m, s, ctx: one_d.norm(m, ctx),
+        "region": lambda m, s, ctx: one_d.region(m, ctx, s.sharded_methods),
+        "column": lambda m, s, ctx: one_d.ColumnParallelLinear(m, ctx, s.unit, s.shared_units),
+        "row": lambda m, s, ctx: one_d.RowParallelLinear(m, ctx),
+        "vocab_head": lambda m, s, ctx: one_d.VocabParallelHead(m, ctx),
+    },
+}
+
+
+def matches(pattern: str, name: str) -> bool:
+    """True when module name `name` fits `pattern` ("*" = any one dot-separated component)."""
+    if pattern == "" or name == "":
+        return pattern == name
+    want, have = pattern.split("."), name.split(".")
+    return len(want) == len(have) and all(w in ("*", h) for w, h in zip(want, have))
+
+
+def parallelize_tp(model: nn.Module, plan: Plan, mesh: DeviceMesh, sp: bool, mode: str = "1d",
+                   dropout: DropoutRNG | None = None) -> TPContext:
+    """Apply `plan` to `model` in place over the 1-D tp `mesh`; returns the layers' shared context.
+
+    Run it on the meta device before activation checkpointing and data parallelism
+    (materialize then fills each shard from its full, name-seeded value), or on a real
+    model whose parameters are equal on every rank (each keeps its slice). `dropout`:
+    the random streams for a model with dropout, None without.
+    """
+    if mode not in MODES:
+        raise ValueError(f"tensor-parallel mode {mode!r} has no implementation; available: {', '.join(MODES)}")
+    ctx = TPContext(mesh, sp, dropout)
+    modules = dict(model.named_modules())
+    for pattern, style in plan.items():
+        for name in [n for n in modules if matches(pattern, n)]:
+            new = MODES[mode][style.role](modules[name], style, ctx)
+            if new is not modules[name]:
+                if name == "":
+                    raise ValueError("a plan's root style must modify the model in place")
+                parent, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(parent), attr, new)
+    # The memo of distributed parameters is keyed by id(); once the replaced modules are
+    # gone their ids may be reused, so it must not outlive this pass.
+    ctx.forget_parameters()
+    return ctx
