@@ -7,7 +7,6 @@ consolidation in a fresh subprocess that reports VmHWM after its imports and at 
 """
 
 import json
-import os
 import subprocess
 import sys
 import tempfile

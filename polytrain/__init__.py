@@ -8,6 +8,10 @@ _ENGINE_API = ("initialize", "add_config_arguments", "init_distributed")
 
 
 def __getattr__(name: str):
+    if name == "load":  # (model, tokenizer) from a run, a checkpoint or a Hugging Face directory
+        from polytrain.inference.load import load
+
+        return load
     if name in _ENGINE_API:
         from polytrain import engine
 

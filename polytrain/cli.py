@@ -1,9 +1,12 @@
-"""`polytrain` command line: train, generate, prepare, consolidate.
+"""`polytrain` command line: train, generate, chat, prepare, consolidate, convert, run.
 
     polytrain train [--config FILE.toml] [--deepspeed_config ds_config.json] [--section.key VALUE ...]
     polytrain generate RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
+    polytrain chat RUN_DIR [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
     polytrain prepare SOURCE OUT.bin [--vocab-size N] [--tokenizer bpe|PATH] [--val-fraction F]
     polytrain consolidate CHECKPOINT_DIR OUT [--dtype fp32|bf16|fp16] [--format safetensors|pt]
+    polytrain convert HF_DIR OUT_DIR | polytrain convert --to hf RUN_OR_CHECKPOINT OUT_DIR [--dtype ...]
+    polytrain run [--nproc N] SCRIPT [ARGS...]    (or -m MODULE [ARGS...]): a CUDA program, unchanged
 
 Errors a user can fix print one line starting with "error:" and exit with status 2.
 """
@@ -58,6 +61,28 @@ def _generate(argv: list[str]) -> int:
     return 0
 
 
+def _chat(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="polytrain chat",
+                                     description="Talk to a decoder, with its chat template when it has one.")
+    parser.add_argument("run_dir", help="a run directory (trained, or made by `polytrain convert`)")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=40)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    from pathlib import Path
+
+    from polytrain.inference.chat import Chat, repl
+    from polytrain.inference.load import load_run
+
+    chat = Chat(load_run(args.run_dir), Path(args.run_dir), args.max_new_tokens, args.temperature,
+                args.top_k, args.top_p, args.seed)
+    repl(chat)
+    return 0
+
+
 def _prepare(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="polytrain prepare",
@@ -98,7 +123,68 @@ def _consolidate(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "generate": _generate, "prepare": _prepare, "consolidate": _consolidate}
+def _run(argv: list[str]) -> int:
+    """Options up to the program's name are ours; everything from it on is the program's."""
+    usage = ("usage: polytrain run [--nproc N] SCRIPT [ARGS...]\n"
+             "       polytrain run [--nproc N] -m MODULE [ARGS...]\n\n"
+             "Runs a program written for CUDA on the detected accelerator (POLYTRAIN_ACCELERATOR\n"
+             "overrides), with CUDA's device module, devices and NCCL mapped onto it (docs/COMPAT.md).\n"
+             "--nproc N starts N workers like torchrun; without it the program runs in this process.")
+    nproc, i = None, 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "-m":
+        if argv[i] in ("-h", "--help"):
+            print(usage)
+            return 0
+        option, _, value = argv[i].partition("=")
+        if option != "--nproc":
+            raise PolytrainError(f"polytrain run: unknown option {argv[i]} (only --nproc N comes "
+                                 f"before the program; its own options come after it)")
+        if not value:
+            i += 1
+            value = argv[i] if i < len(argv) else ""
+        if not value.isdigit() or int(value) < 1:
+            raise PolytrainError(f"polytrain run: --nproc needs a positive number, got {value!r}")
+        nproc, i = int(value), i + 1
+    program = argv[i:]
+    if not program or program == ["-m"]:
+        raise PolytrainError("polytrain run: name the program (SCRIPT [ARGS...] or -m MODULE [ARGS...])")
+    if program[0] != "-m" and not os.path.isfile(program[0]):
+        raise PolytrainError(f"no such script: {program[0]}")  # once, not once per worker
+
+    from polytrain.compat.__main__ import main as run_here
+
+    if nproc is None or "WORLD_SIZE" in os.environ:  # already one worker of a torchrun job
+        return run_here(program)
+    from polytrain.train.launch import launch_local_workers
+
+    return launch_local_workers(nproc, program, module="polytrain.compat")
+
+
+def _convert(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="polytrain convert",
+        description="Hugging Face model directory -> polytrain run directory (default), or back with --to hf.")
+    parser.add_argument("source", help="an HF directory (config.json + safetensors/.bin), or with --to hf "
+                                       "a run directory or one of its checkpoints/step_<N>")
+    parser.add_argument("out", help="directory to write (a new run directory, or the HF directory)")
+    parser.add_argument("--to", choices=("polytrain", "hf"), default="polytrain")
+    parser.add_argument("--dtype", default=None, help="--to hf: fp32, bf16 or fp16 (default: as stored)")
+    args = parser.parse_args(argv)
+
+    from polytrain.convert import export_hf, import_hf
+
+    if args.to == "hf":
+        out = export_hf(args.source, args.out, dtype=args.dtype)
+        print(f"wrote {out / 'model.safetensors'} and {out / 'config.json'}")
+    else:
+        out = import_hf(args.source, args.out)
+        print(f"wrote run directory {out}: polytrain generate {out} --prompt ...; "
+              f"polytrain train --config {out / 'config.toml'}")
+    return 0
+
+
+COMMANDS = {"train": _train, "generate": _generate, "prepare": _prepare, "consolidate": _consolidate,
+            "convert": _convert, "chat": _chat, "run": _run}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,7 +55,7 @@ class ModelConfig:
     arch: str = "llama"
     """Model architecture; see polytrain.models.ARCHITECTURES."""
     size: str = "tiny"
-    """Size preset (tiny ~3M, small ~25M, 125m, 350m, 1b, 7b); fields set below win over it."""
+    """Size preset of the architecture (llama: tiny ~3M, small ~16M, 125m, 350m, 1b, 7b; custom = none)."""
     dim: int = 0
     """Hidden size (0 = from the size preset)."""
     n_layers: int = 0
@@ -63,21 +63,47 @@ class ModelConfig:
     n_heads: int = 0
     """Attention query heads (0 = from the size preset)."""
     n_kv_heads: int = 0
-    """Key/value heads for grouped-query attention; divides n_heads (0 = from the size preset)."""
+    """Key/value heads for grouped-query attention; divides n_heads (0 = from the size preset, else n_heads)."""
     ffn_dim: int = 0
     """SwiGLU hidden size (0 = from the size preset)."""
     vocab_size: int = 0
     """Vocabulary size; the BPE tokenizer is trained to this size (0 = from the size preset)."""
     max_seq_len: int = 0
     """Longest sequence RoPE tables are built for (0 = data.seq_len)."""
+    head_dim: int = 0
+    """Size of one attention head (0 = dim / n_heads; T5 and some Llamas use another)."""
+    n_decoder_layers: int = 0
+    """t5: decoder blocks (n_layers counts the encoder's; 0 = as many as the encoder)."""
+    activation: str = _choices("silu", "gelu", "gelu_tanh", "relu")
+    """Feed-forward nonlinearity: silu, gelu (erf), gelu_tanh (GPT-2's and T5's tanh approximation), relu."""
+    gated_ffn: bool = True
+    """Gated feed-forward w2(act(w1 x) * w3 x) (SwiGLU, T5 v1.1); false = w2(act(w1 x)) (GPT-2, BERT, T5 v1.0)."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
+    rope_scaling: str = _choices("none", "linear", "dynamic", "llama3")
+    """RoPE context extension: linear (positions / factor), dynamic (NTK, past the original length), llama3."""
+    rope_scaling_factor: float = 1.0
+    """RoPE scaling factor (e.g. 8 for Llama-3.1, 2 for InternLM2's dynamic NTK)."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 scaling: wavelengths above original_len / this are divided by the factor in full."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 scaling: wavelengths below original_len / this are kept; between the two, interpolated."""
+    rope_original_max_len: int = 0
+    """Context length the RoPE model was pre-trained at, for llama3 and dynamic scaling (0 = max_seq_len)."""
     norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
+    """Epsilon of the norms (RMSNorm; LayerNorm for gpt2 and bert; T5's RMS-style LayerNorm)."""
     tie_embeddings: bool = False
     """Share the token embedding with the output projection."""
     dropout: float = 0.0
     """Dropout probability in training on attention weights, the embedding, attention and MLP outputs (0 = off)."""
+    output_scale: bool = False
+    """t5: multiply the decoder's final states by dim ** -0.5 before the output projection (T5 v1.0)."""
+    type_vocab_size: int = 2
+    """bert: token-type (segment) embeddings."""
+    rel_pos_buckets: int = 32
+    """t5: relative-position buckets of the attention bias (half per direction in the encoder)."""
+    rel_pos_max_distance: int = 128
+    """t5: distance from which relative positions share the last, logarithmic bucket."""
 
 
 @dataclass
@@ -90,6 +116,10 @@ class DataConfig:
     """Tokens per training sequence."""
     val_fraction: float = 0.02
     """Share of documents held out for validation (chosen by a hash of the document name)."""
+    mask_fraction: float = 0.15
+    """mlm: share of each sequence's tokens scored (80% [MASK], 10% random, 10% kept); span: share cut out."""
+    mean_span_length: float = 3.0
+    """span (T5): mean length of the cut-out spans, each replaced by one sentinel."""
 
 
 @dataclass
@@ -107,17 +137,19 @@ class TrainConfig:
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices (not on norms, biases or embeddings' gains)."""
     beta1: float = 0.9
-    """Adam first-moment decay."""
+    """AdamW and LAMB first-moment decay."""
     beta2: float = 0.95
-    """Adam second-moment decay."""
+    """AdamW and LAMB second-moment decay."""
     eps: float = 1e-8
-    """Adam epsilon."""
+    """AdamW and LAMB epsilon."""
     momentum: float = 0.9
-    """SGD momentum."""
+    """SGD and LARS momentum."""
     grad_clip: float = 1.0
     """Clip the global gradient norm (over all ranks and shards) to this; 0 = no clipping."""
-    optimizer: str = _choices("adamw", "sgd")
-    """Optimizer: adamw or sgd (momentum 0.9)."""
+    optimizer: str = _choices("adamw", "lamb", "lars", "sgd")
+    """Optimizer: adamw, lamb or lars (per-tensor trust ratios for large batches), or sgd."""
+    trust_clip: float = 0.0
+    """lamb/lars only: upper bound on each tensor's trust ratio ||w|| / ||update|| (0 = unbounded)."""
     precision: str = _choices("fp32", "bf16", "fp16")
     """Compute precision; bf16/fp16 autocast matmuls while weights and optimizer stay fp32."""
     loss_scale: float = 0.0
@@ -138,6 +170,8 @@ class TrainConfig:
     """ds_* schedules: learning rate at the start of the warmup."""
     schedule_steps: int = 0
     """ds_warmup_decay / ds_warmup_cosine: step where the decay ends (0 = run.steps)."""
+    objective: str = _choices("auto", "causal", "mlm", "span")
+    """Pre-training objective: causal (decoders), mlm (bert), span corruption (t5); auto = the architecture's."""
     activation_checkpoint: str = _choices("none", "full", "selective")
     """Recompute activations in backward to save memory: full = each block, selective = the attention core."""
 
@@ -292,8 +326,12 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the TOML file at `path`, then command-line `overrides`; then validated."""
-    cfg = Config()
+    """Defaults, the architecture's defaults, the TOML file at `path`, then `overrides`; then validated.
+
+    The architecture's defaults (e.g. gpt2's GELU and tied embeddings) sit between the
+    dataclass defaults and the user's values, so the file and the command line win.
+    """
+    data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -302,16 +340,37 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path} is not valid TOML: {e}") from None
-        for section, values in data.items():
-            if not isinstance(values, dict):
-                raise _unknown(section)
-            for name, value in values.items():
-                _set(cfg, f"{section}.{name}", value, from_text=False)
-    for key, value in parse_overrides(overrides or []):
-        _set(cfg, key, value, from_text=True)
+    pairs = parse_overrides(overrides or [])
+    cfg = _apply(Config(), data, pairs)
+    defaults = _arch_defaults(cfg.model.arch)
+    if defaults:  # again, now on top of the architecture's defaults
+        cfg = _apply(Config(model=ModelConfig(**{**dataclasses.asdict(ModelConfig()), **defaults})),
+                     data, pairs)
     resolve_model(cfg)
     validate(cfg)
     return cfg
+
+
+def _apply(cfg: Config, data: dict[str, Any], pairs: list[tuple[str, str]]) -> Config:
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise _unknown(section)
+        for name, value in values.items():
+            _set(cfg, f"{section}.{name}", value, from_text=False)
+    for key, value in pairs:
+        _set(cfg, key, value, from_text=True)
+    return cfg
+
+
+def _arch_defaults(arch: str) -> dict[str, Any]:
+    from polytrain.models import ARCHITECTURES
+
+    return dict(ARCHITECTURES[arch].defaults) if arch in ARCHITECTURES else {}
+
+
+def model_config(arch: str, **fields_: Any) -> ModelConfig:
+    """A ModelConfig of `arch` with its architecture defaults, then `fields_` (unresolved, unvalidated)."""
+    return ModelConfig(**{**dataclasses.asdict(ModelConfig()), **_arch_defaults(arch), "arch": arch, **fields_})
 
 
 def resolve_model(cfg: Config) -> None:
@@ -327,11 +386,15 @@ def resolve_model(cfg: Config) -> None:
             f"(known: {', '.join(ARCHITECTURES)}){hint}"
         )
     presets = ARCHITECTURES[m.arch].presets
+    if m.size == "custom":  # every field given (e.g. a converted model); validate() finds any left at 0
+        presets = {"custom": {}}
     if m.size not in presets:
         raise ConfigError(f"model.size = '{m.size}' is not a preset of {m.arch}; choose one of {', '.join(presets)}")
     for name, value in presets[m.size].items():
         if getattr(m, name) == 0:
             setattr(m, name, value)
+    if m.n_kv_heads == 0:
+        m.n_kv_heads = m.n_heads
     if m.max_seq_len == 0:
         m.max_seq_len = cfg.data.seq_len
 
@@ -348,14 +411,10 @@ def validate(cfg: Config) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} = {value} must be positive")
-    if m.dim % m.n_heads:
-        raise ConfigError(f"model.dim = {m.dim} must be a multiple of model.n_heads = {m.n_heads}")
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError(f"model.n_kv_heads = {m.n_kv_heads} must divide model.n_heads = {m.n_heads}")
-    if (m.dim // m.n_heads) % 2:
-        raise ConfigError(f"head dim model.dim / model.n_heads = {m.dim // m.n_heads} must be even for RoPE")
-    if not 0 <= m.dropout < 1:
-        raise ConfigError(f"model.dropout = {m.dropout} must be in [0, 1)")
+    _validate_model(m)
+    from polytrain.data.objectives import objective_name
+
+    objective_name(cfg)  # the objective must fit the architecture
     if cfg.data.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len = {cfg.data.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
     if t.global_batch_size % t.micro_batch_size:
@@ -363,6 +422,9 @@ def validate(cfg: Config) -> None:
             f"train.global_batch_size = {t.global_batch_size} must be a multiple of "
             f"train.micro_batch_size = {t.micro_batch_size}; try {_nearest_multiple(t.global_batch_size, t.micro_batch_size)}"
         )
+    if not 0 < cfg.data.mask_fraction < 1 or cfg.data.mean_span_length < 1:
+        raise ConfigError(f"data.mask_fraction = {cfg.data.mask_fraction} must be in (0, 1) and "
+                          f"data.mean_span_length = {cfg.data.mean_span_length} at least 1")
     if not 0 < cfg.data.val_fraction < 1:
         raise ConfigError(f"data.val_fraction = {cfg.data.val_fraction} must be in (0, 1): validation needs data")
     if t.lr_schedule == "cosine" and t.warmup_type != "linear":
@@ -371,6 +433,7 @@ def validate(cfg: Config) -> None:
                                   or t.loss_scale_window < 1 or t.min_loss_scale <= 0):
         raise ConfigError("fp16 loss scaling needs loss_scale >= 0, initial_scale_power >= 0, "
                           "hysteresis >= 1, loss_scale_window >= 1 and min_loss_scale > 0")
+    _validate_optimizer(t)
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr = {t.min_lr} is above train.lr = {t.lr}")
     if cfg.parallel.reduce_bucket_mb <= 0:
@@ -382,6 +445,75 @@ def validate(cfg: Config) -> None:
         )
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 0:
         raise ConfigError("checkpoint.every and checkpoint.keep must be >= 0")
+
+
+def _validate_model(m: ModelConfig) -> None:
+    """Head geometry, and the fields that only some architectures have."""
+    from polytrain.models import ARCHITECTURES
+
+    arch = ARCHITECTURES[m.arch]
+    if m.head_dim < 0:
+        raise ConfigError(f"model.head_dim = {m.head_dim} must be >= 0 (0 = dim / n_heads)")
+    if m.head_dim == 0 and m.dim % m.n_heads:
+        raise ConfigError(f"model.dim = {m.dim} must be a multiple of model.n_heads = {m.n_heads} "
+                          "(or set model.head_dim)")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_kv_heads = {m.n_kv_heads} must divide model.n_heads = {m.n_heads}")
+    if not arch.gqa and m.n_kv_heads != m.n_heads:
+        raise ConfigError(f"model.n_kv_heads = {m.n_kv_heads}: {m.arch} has no grouped-query attention; "
+                          f"set it to model.n_heads = {m.n_heads}")
+    head_dim = m.head_dim or m.dim // m.n_heads
+    if arch.rope and head_dim % 2:
+        raise ConfigError(f"head dim model.dim / model.n_heads = {head_dim} must be even for RoPE")
+    if arch.gated is not None and m.gated_ffn != arch.gated:
+        form = "gated (act(w1 x) * w3 x)" if arch.gated else "not gated"
+        raise ConfigError(f"model.gated_ffn = {str(m.gated_ffn).lower()}: {m.arch}'s feed-forward is "
+                          f"always {form}; set it to {str(arch.gated).lower()}")
+    if m.rope_scaling != "none":
+        if not arch.rope:
+            raise ConfigError(f"model.rope_scaling = '{m.rope_scaling}': {m.arch} has no RoPE; set it to 'none'")
+        if m.rope_scaling_factor <= 0:
+            raise ConfigError(f"model.rope_scaling_factor = {m.rope_scaling_factor} must be positive")
+        if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+            raise ConfigError(f"llama3 RoPE scaling needs 0 < model.rope_low_freq_factor < "
+                              f"model.rope_high_freq_factor (now {m.rope_low_freq_factor} and "
+                              f"{m.rope_high_freq_factor})")
+    if not 0 <= m.dropout < 1:
+        raise ConfigError(f"model.dropout = {m.dropout} must be in [0, 1)")
+    if m.rope_original_max_len < 0:
+        raise ConfigError(f"model.rope_original_max_len = {m.rope_original_max_len} must be >= 0")
+    if arch.kind != "encoder-decoder":
+        for key, value, unset in (("n_decoder_layers", m.n_decoder_layers, 0),
+                                  ("output_scale", m.output_scale, False)):
+            if value != unset:
+                raise ConfigError(f"model.{key} = {value} applies to encoder-decoder models (t5), "
+                                  f"not {m.arch}; leave it at {unset}")
+    elif m.n_decoder_layers < 0:
+        raise ConfigError(f"model.n_decoder_layers = {m.n_decoder_layers} must be >= 0")
+    if m.type_vocab_size < 1:
+        raise ConfigError(f"model.type_vocab_size = {m.type_vocab_size} must be positive")
+    if m.rel_pos_buckets < 4 or m.rel_pos_max_distance <= m.rel_pos_buckets // 2:
+        raise ConfigError(f"t5 relative positions need model.rel_pos_buckets >= 4 (now {m.rel_pos_buckets}) "
+                          f"and model.rel_pos_max_distance > buckets / 2 (now {m.rel_pos_max_distance})")
+
+
+def _validate_optimizer(t: TrainConfig) -> None:
+    """The keys the chosen optimizer reads must hold values it can step with."""
+    if t.optimizer in ("adamw", "lamb"):
+        for key in ("beta1", "beta2"):
+            if not 0 <= getattr(t, key) < 1:
+                raise ConfigError(f"train.{key} = {getattr(t, key)} must be in [0, 1) for {t.optimizer}")
+        if t.eps <= 0:
+            raise ConfigError(f"train.eps = {t.eps} must be positive for {t.optimizer}")
+    if t.optimizer in ("sgd", "lars") and not 0 <= t.momentum < 1:
+        raise ConfigError(f"train.momentum = {t.momentum} must be in [0, 1) for {t.optimizer}")
+    if t.trust_clip < 0:
+        raise ConfigError(f"train.trust_clip = {t.trust_clip} must be >= 0 (0 = unbounded trust ratio)")
+    if t.trust_clip > 0 and t.optimizer not in ("lamb", "lars"):
+        raise ConfigError(f"train.trust_clip bounds LAMB/LARS trust ratios; train.optimizer = "
+                          f"'{t.optimizer}' has none: set train.optimizer = 'lamb' or 'lars', or trust_clip = 0")
+    if t.weight_decay < 0:
+        raise ConfigError(f"train.weight_decay = {t.weight_decay} must be >= 0")
 
 
 def _nearest_multiple(value: int, unit: int) -> int:

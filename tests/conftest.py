@@ -1,4 +1,10 @@
-"""Shared fixtures: an isolated cache, a small deterministic corpus, a tiny model config."""
+"""Shared fixtures: an isolated cache, a small deterministic corpus, a tiny model config.
+
+`pytest --compat-shim` runs the suite with polytrain's CUDA shim installed, as `polytrain run`
+would install it, in this process and in the ranks tests spawn (tests/multirank.py):
+polytrain must keep working under it. tests/compat, which installs and removes the shim
+itself, is left out then.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,37 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+
+SHIM_ENV = "POLYTRAIN_TEST_COMPAT_SHIM"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--compat-shim", action="store_true",
+                     help="run the tests with polytrain's CUDA shim installed")
+
+
+def pytest_configure(config):
+    if config.getoption("--compat-shim") or os.environ.get(SHIM_ENV) == "1":
+        os.environ[SHIM_ENV] = "1"  # spawned ranks install it too
+        os.environ.setdefault("POLYTRAIN_ACCELERATOR", "cpu")
+        from polytrain.backend.compat import install
+
+        install()
+
+
+def pytest_terminal_summary(terminalreporter):
+    from polytrain.backend.compat import active
+
+    if os.environ.get(SHIM_ENV) == "1":  # tests/compat/test_suite_under_shim.py reads this
+        shim = active()
+        terminalreporter.write_line(shim.describe() if shim else "polytrain compat: not installed")
+
+
+def pytest_ignore_collect(collection_path, config):
+    if os.environ.get(SHIM_ENV) == "1" and collection_path.name == "compat" \
+            and collection_path.parent.name == "tests":
+        return True
+    return None
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -30,6 +30,10 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
     import torch
     import torch.distributed as dist
 
+    if os.environ.get("POLYTRAIN_TEST_COMPAT_SHIM") == "1":  # pytest --compat-shim
+        from polytrain.backend.compat import install
+
+        install()
     torch.set_num_threads(1)  # N ranks share this machine's cores
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 from abc import ABC, abstractmethod
-from typing import ContextManager
+from typing import Any, ContextManager
 
 import torch
 
@@ -49,11 +49,34 @@ class Accelerator(ABC):
     """torch device type string, e.g. 'cpu', 'cuda'."""
     dist_backend: str
     """torch.distributed backend for collectives between these devices."""
+    vendor_module: str | None = None
+    """The package that adds this device to torch (e.g. 'torch_npu'), or None where torch itself
+    drives it. Imported only when the device is probed or used, never at polytrain import."""
+    reduce_scatter_by_all_reduce: bool = False
+    """Whether data parallelism reduce-scatters gradients as an all-reduce of the whole buffer
+    (each rank keeps its piece): twice the bytes, but faster where the backend's
+    reduce-scatter is much slower than its all-reduce (see distributed/reduce_scatter.py)."""
 
     @classmethod
     @abstractmethod
     def is_available(cls) -> bool:
         """Whether this process can use the device (hardware, driver and torch build)."""
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """Why `is_available()` is False, in a few words a user can act on; None when available."""
+        if cls.is_available():
+            return None
+        return "no usable device (check the driver, the torch build and visible devices)"
+
+    def device_module(self) -> Any:
+        """The torch.cuda-style module of this device (torch.xpu, torch.npu, ...): the object the
+        CUDA shim (backend/compat) serves `torch.cuda` from. Names it lacks are reported by the
+        shim as unmapped when called."""
+        module = getattr(torch, self.device_type, None)
+        if module is None:
+            raise RuntimeError(f"torch has no torch.{self.device_type} module for {self.name}")
+        return module
 
     @abstractmethod
     def device(self, local_rank: int | None = None) -> torch.device:

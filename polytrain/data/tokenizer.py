@@ -22,7 +22,7 @@ from polytrain.data.atomic import write_text_atomic
 
 EOT = "<|endoftext|>"
 # End-of-text tokens of common tokenizer.json files, tried in order for `eot_id`.
-_EOT_NAMES = (EOT, "<|end_of_text|>", "</s>", "<eos>")
+_EOT_NAMES = (EOT, "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
 MIN_BPE_VOCAB = 257
 """256 byte symbols + <|endoftext|>."""
 
@@ -52,6 +52,14 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (no special tokens added)."""
         return self.hf.encode(text, add_special_tokens=False).ids
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Token ids of text in which special tokens (a chat template's <|im_start|>, ...) are themselves."""
+        self.hf.encode_special_tokens = False
+        try:
+            return self.hf.encode(text, add_special_tokens=False).ids
+        finally:
+            self.hf.encode_special_tokens = True
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text, encoded in parallel threads."""

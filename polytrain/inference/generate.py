@@ -9,9 +9,13 @@ token per row.
 
 The model is only called as `model(tokens, cache=..., start_pos=...)` and read
 for `model.cfg` and its parameters' device, so an FSDP-wrapped model works too.
+Encoder-decoders (T5) use `generate_seq2seq`: the prompt is encoded once and the
+decoder runs from a start token with the same sampling loop.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn as nn
@@ -47,24 +51,73 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
     tokens = torch.tensor([[0] * n + p for n, p in zip(pads, prompts)], device=device)
     pad = torch.tensor(pads, device=device) if any(pads) else None  # (B,)
     cache = KVCache(batch, longest + max_new_tokens, pad=pad)
-    stops = torch.tensor(sorted(stop_tokens or ()), dtype=torch.long, device=device)
 
+    def step(next_tok: torch.Tensor, i: int) -> torch.Tensor:
+        return model(next_tok[:, None], cache=cache, start_pos=longest + i)[:, -1]
+
+    with _inference(model):
+        first = model(tokens, cache=cache, start_pos=0)[:, -1]  # (B, vocab)
+        return _sample_loop(first, step, max_new_tokens, temperature, top_k, top_p, stop_tokens, generator)
+
+
+def generate_seq2seq(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
+                     temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                     stop_tokens: set[int] | None = None, generator: torch.Generator | None = None,
+                     start_token: int = 0) -> list[list[int]]:
+    """Encoder-decoder (T5) generation: each prompt is encoded once, the decoder writes up to
+    `max_new_tokens` tokens after `start_token`; sampling and stopping as `generate`.
+
+    Prompts of different lengths are right-padded and masked out of every attention
+    over the encoder's output. The model provides encode(tokens, attention_mask) and
+    decode(tokens, memory, attention_mask, cache=, start_pos=).
+    """
+    _check_arguments(prompts, max_new_tokens, temperature, top_k, top_p)
+    if max_new_tokens == 0:
+        return [[] for _ in prompts]
+    device = next(model.parameters()).device
+    longest = max(len(p) for p in prompts)
+    tokens = torch.tensor([p + [0] * (longest - len(p)) for p in prompts], device=device)  # (B, S)
+    mask = torch.tensor([[1] * len(p) + [0] * (longest - len(p)) for p in prompts], device=device)
+    cache = KVCache(len(prompts), max_new_tokens)
+
+    with _inference(model):
+        memory = model.encode(tokens, mask)  # (B, S, dim)
+
+        def step(next_tok: torch.Tensor, i: int) -> torch.Tensor:
+            return model.decode(next_tok[:, None], memory, mask, cache=cache, start_pos=i + 1)[:, -1]
+
+        start = torch.full((len(prompts),), start_token, device=device)
+        first = model.decode(start[:, None], memory, mask, cache=cache, start_pos=0)[:, -1]  # (B, vocab)
+        return _sample_loop(first, step, max_new_tokens, temperature, top_k, top_p, stop_tokens, generator)
+
+
+@contextlib.contextmanager
+def _inference(model: nn.Module):
+    """eval mode and no autograd, restoring the model's mode after."""
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            logits = model(tokens, cache=cache, start_pos=0)[:, -1]  # (B, vocab)
-            new = []
-            done = torch.zeros(batch, dtype=torch.bool, device=device)
-            for step in range(max_new_tokens):
-                next_tok = sample(logits, temperature, top_k, top_p, generator)  # (B,)
-                new.append(next_tok)
-                done |= torch.isin(next_tok, stops)
-                if step == max_new_tokens - 1 or bool(done.all()):
-                    break
-                logits = model(next_tok[:, None], cache=cache, start_pos=longest + step)[:, -1]
+            yield
     finally:
         model.train(was_training)
+
+
+def _sample_loop(first: torch.Tensor, step, max_new_tokens: int, temperature: float, top_k: int | None,
+                 top_p: float | None, stop_tokens: set[int] | None,
+                 generator: torch.Generator | None) -> list[list[int]]:
+    """Sample a token per row from `first` (B, vocab), then from step(tokens (B,), i) for i = 0, 1, ...
+    until every row has emitted a stop token or max_new_tokens are out; rows cut after their stop."""
+    stops = torch.tensor(sorted(stop_tokens or ()), dtype=torch.long, device=first.device)
+    logits, new = first, []
+    done = torch.zeros(first.shape[0], dtype=torch.bool, device=first.device)
+    for i in range(max_new_tokens):
+        next_tok = sample(logits, temperature, top_k, top_p, generator)  # (B,)
+        new.append(next_tok)
+        done |= torch.isin(next_tok, stops)
+        if i == max_new_tokens - 1 or bool(done.all()):
+            break
+        logits = step(next_tok, i)
     return [_until_stop(row, stop_tokens or set()) for row in torch.stack(new, 1).tolist()]
 
 

@@ -1,4 +1,8 @@
-"""Load a trained run (config.toml, tokenizer.json, newest checkpoint) for generation."""
+"""Load a model for inference: a polytrain run (config.toml, tokenizer.json, newest checkpoint),
+one of its checkpoints, or a Hugging Face model directory.
+
+    model, tokenizer = polytrain.load("runs/default")        # or runs/x/checkpoints/step_200, or an HF dir
+"""
 
 from __future__ import annotations
 
@@ -11,8 +15,9 @@ from polytrain.backend import get_accelerator
 from polytrain.config import Config, load_config
 from polytrain.data.tokenizer import Tokenizer
 from polytrain.errors import CheckpointError, ConfigError
-from polytrain.inference.generate import generate
+from polytrain.inference.generate import generate, generate_seq2seq
 from polytrain.models import ARCHITECTURES
+from polytrain.models.t5.model import DECODER_START
 from polytrain.train.checkpoint import latest_checkpoint, load_model_weights
 
 
@@ -34,21 +39,61 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> Loade
     if path is None:
         raise CheckpointError(f"{run_dir} has no complete checkpoint under checkpoints/")
     device = get_accelerator().device()
-    with torch.device(device):
+    with torch.device("meta"):  # no random init of weights about to be overwritten
         model = ARCHITECTURES[cfg.model.arch].build(cfg.model)
+    model.to_empty(device=device)
+    model.init_buffers()
     load_model_weights(path, model)
     return LoadedRun(cfg, model.eval(), Tokenizer.load(run_dir / "tokenizer.json"), path)
 
 
+def load(path: str | Path, device: torch.device | str | None = None):
+    """(model, tokenizer) from a run directory, a checkpoint step_<N> directory or a Hugging Face
+    model directory (converted in memory); the model in eval mode on `device` (default: the
+    accelerator's). The tokenizer is None for an HF directory without tokenizer.json."""
+    from polytrain.convert import load_hf
+    from polytrain.train.checkpoint import STATE_FILE
+
+    path = Path(path)
+    if (path / "config.toml").is_file():
+        run = load_run(path)
+    elif (path / STATE_FILE).is_file():
+        run = load_run(path.parent.parent, path)
+    elif (path / "config.json").is_file():
+        return load_hf(path, device or get_accelerator().device())
+    else:
+        raise ConfigError(f"{path} is not a polytrain run, a checkpoint or a Hugging Face model directory "
+                          "(no config.toml, trainer.json or config.json)")
+    return (run.model.to(device) if device is not None else run.model), run.tokenizer
+
+
 def generate_text(run: LoadedRun, prompt: str, max_new_tokens: int, *, temperature: float = 0.8,
                   top_k: int | None = None, top_p: float | None = None, seed: int = 0) -> str:
-    """`prompt` followed by up to `max_new_tokens` sampled tokens (fewer if the model's context ends)."""
+    """`prompt` followed by up to `max_new_tokens` sampled tokens (fewer if the model's context ends);
+    for an encoder-decoder, the decoder's text for the encoded prompt."""
+    kind = ARCHITECTURES[run.cfg.model.arch].kind
+    if kind == "encoder":
+        raise ConfigError(f"text generation needs a decoder or an encoder-decoder; {run.cfg.model.arch} "
+                          "is an encoder (masked LM)")
     ids = run.tokenizer.encode(prompt)
+    device = next(run.model.parameters()).device
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, stop_tokens=stop_tokens(run.tokenizer),
+                    generator=torch.Generator(device=device).manual_seed(seed))
+    if kind == "encoder-decoder":
+        new = generate_seq2seq(run.model, [ids], max_new_tokens, start_token=DECODER_START, **sampling)
+        return run.tokenizer.decode(new[0])
     room = run.cfg.model.max_seq_len - len(ids)
     if room <= 0:
         raise ConfigError(f"the prompt is {len(ids)} tokens; this model's context is {run.cfg.model.max_seq_len}")
-    device = next(run.model.parameters()).device
-    new = generate(run.model, [ids], min(max_new_tokens, room), temperature=temperature, top_k=top_k,
-                   top_p=top_p, stop_tokens={run.tokenizer.eot_id},
-                   generator=torch.Generator(device=device).manual_seed(seed))
+    new = generate(run.model, [ids], min(max_new_tokens, room), **sampling)
     return prompt + run.tokenizer.decode(new[0])
+
+
+# End-of-turn tokens of common chat formats (ChatML's, Llama 3's), besides end-of-text.
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>")
+
+
+def stop_tokens(tokenizer: Tokenizer) -> set[int]:
+    """End-of-text and, where the vocabulary has them, the end-of-turn tokens of chat formats."""
+    ids = {tokenizer.hf.token_to_id(name) for name in _END_OF_TURN}
+    return {tokenizer.eot_id} | {i for i in ids if i is not None}

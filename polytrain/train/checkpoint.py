@@ -52,6 +52,7 @@ class TrainerState:
     model_config: dict[str, Any]
     world_size: int
     loss_scaler: dict[str, Any] | None = None  # fp16 runs: the dynamic scale and its counters
+    weights_only: bool = False  # model weights without optimizer or data state (an imported model)
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -175,18 +176,42 @@ class Checkpointer:
                     if state.model_config.get(k) != v}
             shown = ", ".join(f"model.{k} {a} in the checkpoint vs {b} now" for k, (a, b) in diff.items())
             raise CheckpointError(f"checkpoint {path} was written for another model: {shown}")
-        if state.optimizer != expect.optimizer:
+        if state.optimizer != expect.optimizer and not state.weights_only:
             raise CheckpointError(
                 f"checkpoint {path} holds {state.optimizer} state but train.optimizer = "
                 f"{expect.optimizer}; resume with the same optimizer or set checkpoint.resume = none")
-        # DCP fills this rank's tensors of the strategy's state dict in place.
+        # DCP fills this rank's tensors of the strategy's state dict in place; a weights-only
+        # checkpoint fills the model's and leaves the fresh optimizer state as it is.
         tensors_sd = tensors.state_dict()
-        load_in_place(tensors_sd, path)
+        load_in_place({"model": tensors_sd["model"]} if state.weights_only else tensors_sd, path)
         tensors.load_state_dict(tensors_sd)
+        if state.weights_only:
+            return state
         rng_file = path / "rng" / f"rank_{_rank()}.pt"
         if state.world_size == (dist.get_world_size() if dist.is_initialized() else 1) and rng_file.is_file():
             self._set_rng_state(torch.load(rng_file, weights_only=False))
         return state
+
+
+def save_weights(path: Path, model_state: dict[str, torch.Tensor], model_config: dict[str, Any]) -> Path:
+    """Write a weights-only checkpoint (step 0, no optimizer or data state) at `path`, atomically.
+
+    What `polytrain convert` makes of an imported model: `polytrain generate` loads it like
+    any checkpoint, and training started from it (checkpoint.resume) takes the weights and
+    begins at step 0 with a fresh optimizer, at any parallel layout.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".tmp-{path.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    dcp.save({"model": model_state}, checkpoint_id=str(tmp), no_dist=True)
+    state = TrainerState(step=0, sampler={}, optimizer="none", model_config=model_config, world_size=1,
+                         weights_only=True)
+    (tmp / STATE_FILE).write_text(json.dumps({"format": FORMAT, **state.__dict__}, indent=1))
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    return path
 
 
 def load_model_weights(path: Path, model: nn.Module) -> None:

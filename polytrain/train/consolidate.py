@@ -102,8 +102,18 @@ def consolidate(checkpoint_dir: str | Path, out: str | Path, dtype: torch.dtype 
     return out
 
 
+def read_model_tensors(checkpoint_dir: str | Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """{fqn: full tensor} of a checkpoint's model weights, in memory; dtype None keeps each stored dtype."""
+    path = Path(checkpoint_dir)
+    check_checkpoint(path)
+    reader = _Reader(str(path))
+    entries = {key.removeprefix("model."): md for key, md in reader.read_metadata().state_dict_metadata.items()
+               if key.startswith("model.") and isinstance(md, TensorStorageMetadata)}
+    return dict(_load_each(reader, entries, dtype))
+
+
 def _load_each(reader: _Reader, entries: dict[str, TensorStorageMetadata],
-               dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+               dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
     """(fqn, full tensor) for each entry, loaded one at a time, floating ones cast to `dtype`."""
     for name, md in entries.items():
         tensor = torch.empty(md.size, dtype=md.properties.dtype)
@@ -137,9 +147,9 @@ def _write_safetensors(f: BinaryIO, reader: _Reader, entries: dict[str, TensorSt
         f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def _out_dtype(stored: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+def _out_dtype(stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
     # Only weights change precision; integer or boolean tensors keep their values exactly.
-    return dtype if stored.is_floating_point else stored
+    return dtype if stored.is_floating_point and dtype is not None else stored
 
 
 def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:

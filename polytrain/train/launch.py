@@ -1,8 +1,10 @@
 """Start N local workers through torch's elastic launcher (what torchrun uses).
 
 `polytrain train --parallel.nproc N` re-runs itself as N workers of
-`python -m polytrain.train`, each with RANK / WORLD_SIZE / LOCAL_RANK set; under
-`torchrun` the same module is started directly, on any number of nodes.
+`python -m polytrain.train`, and `polytrain run --nproc N SCRIPT` as N workers of
+`python -m polytrain.compat SCRIPT`, each with RANK / WORLD_SIZE / LOCAL_RANK /
+LOCAL_WORLD_SIZE set; under `torchrun` the same modules are started directly, on any number
+of nodes.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ EXIT_USER_ERROR = 2
 LAUNCHED_ENV = "POLYTRAIN_LAUNCHED"  # set for workers this launcher starts: the parent already spoke
 
 
-def launch_local_workers(nproc: int, argv: list[str]) -> int:
-    """Run `python -m polytrain.train ARGV` as `nproc` workers on this machine; returns an exit code."""
+def launch_local_workers(nproc: int, argv: list[str], module: str = "polytrain.train") -> int:
+    """Run `python -m MODULE ARGV` as `nproc` workers on this machine; returns an exit code."""
     # Each worker would otherwise start one thread per core and they would fight
     # over the cores; torchrun applies the same default.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -31,7 +33,7 @@ def launch_local_workers(nproc: int, argv: list[str]) -> int:
         max_restarts=0, monitor_interval=0.1, start_method="spawn",
     )
     try:
-        elastic_launch(config, sys.executable)("-u", "-m", "polytrain.train", *argv)
+        elastic_launch(config, sys.executable)("-u", "-m", module, *argv)
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
         if EXIT_USER_ERROR in codes.values():

@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from polytrain.backend import get_accelerator
-from polytrain.config import Config, ConfigError, to_toml
+from polytrain.config import Config, to_toml
 from polytrain.data import GlobalBatchSampler, TokenDataset, prepare_corpus, val_batches
+from polytrain.data.objectives import build_objective, reserved_ids
 from polytrain.distributed.activation_checkpoint import apply_activation_checkpointing
 from polytrain.distributed.data_parallel import build_data_parallel
 from polytrain.distributed.materialize import materialize
@@ -63,6 +64,8 @@ class Trainer:
         self.acc.manual_seed(cfg.run.seed)
         self.corpus = self._prepare_corpus()
         self.tokenizer = self.corpus.tokenizer
+        # What the model reads and the loss scores: causal LM, BERT's masked LM or T5's span corruption.
+        self.objective = build_objective(cfg, self.tokenizer)
         self.dp = build_data_parallel(self.dims, self.mesh, cfg.parallel, run_dir=self.run_dir)
         self.autocast_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
                                "fp16": torch.float16}[cfg.train.precision]
@@ -110,14 +113,18 @@ class Trainer:
     def _prepare_corpus(self):
         # Rank 0 trains the tokenizer and tokenizes once; the others then hit the cache.
         if self.world.is_main:
-            corpus = prepare_corpus(self.cfg.data, self.cfg.model.vocab_size)
+            corpus = prepare_corpus(self.cfg.data, self._tokenizer_vocab())
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
             corpus.tokenizer.save(self.run_dir / "tokenizer.json")
         barrier()
         if not self.world.is_main:
-            corpus = prepare_corpus(self.cfg.data, self.cfg.model.vocab_size)
+            corpus = prepare_corpus(self.cfg.data, self._tokenizer_vocab())
         return corpus
+
+    def _tokenizer_vocab(self) -> int:
+        # The objective's special ids ([MASK], T5's sentinels) take the top of the model's vocabulary.
+        return self.cfg.model.vocab_size - reserved_ids(self.cfg)
 
     def _build_model(self) -> torch.nn.Module:
         """Meta-device model -> pipeline stages -> tensor parallel -> activation checkpointing
@@ -184,6 +191,10 @@ class Trainer:
         state = self.checkpointer.load(path, self.dp, self._trainer_state())
         for group, values in zip(self.optimizer.param_groups, hyper):
             group.update(values)
+        if state.weights_only:  # an imported model: its weights, then a fresh run from step 0
+            if self.world.is_main:
+                print(f"initialised from the weights of {path}", flush=True)
+            return 0
         self.sampler.load_state_dict(state.sampler)
         if self.scaler is not None and state.loss_scaler is not None:
             self.scaler.load_state_dict(state.loss_scaler)
@@ -205,10 +216,11 @@ class Trainer:
 
     def _loss(self, indices: list[int], data: TokenDataset) -> torch.Tensor:
         inputs, targets = data.get_batch(indices)  # (B, T) each
-        inputs = inputs.to(self.device, non_blocking=True)
+        args, targets = self.objective.batch(inputs, targets, indices)  # model inputs; -100 = not scored
+        args = [a.to(self.device, non_blocking=True) for a in args]
         targets = targets.to(self.device, non_blocking=True)
         with self.acc.autocast(self.autocast_dtype):
-            logits = self.model(inputs)  # (B, T, V)
+            logits = self.model(*args)  # (B, T', V)
         return self.loss_fn(logits, targets)
 
     def _forward_backward(self, micro_batches: list[list[int]]) -> float:
@@ -331,10 +343,12 @@ class Trainer:
         self.metrics.log({"step": self.step, "val_loss": last_val, "time": time.perf_counter() - start})
         checkpoint = self.save() if saved_step != self.step else latest_checkpoint(self.run_dir)
         # Generation runs on one process under pipelines and tp grids (whose ranks each
-        # hold other sequences); the checkpoint loads there.
+        # hold other sequences); the checkpoint loads there. Masked-LM and span objectives
+        # have no text sample.
+        can_sample = self.objective.name == "causal"
         one_process = self.pipeline is not None or cfg.parallel.tp_mode != "1d" and self.dims.tp > 1
-        sample = self.sample() if cfg.run.sample_tokens > 0 and not one_process else ""
-        if cfg.run.sample_tokens > 0 and one_process and main:
+        sample = self.sample() if cfg.run.sample_tokens > 0 and can_sample and not one_process else ""
+        if cfg.run.sample_tokens > 0 and can_sample and one_process and main:
             print(f"no text sample under pipeline parallelism or tp_mode {cfg.parallel.tp_mode} (generation "
                   f"runs on one process): polytrain generate {self.run_dir}", flush=True)
         if main:

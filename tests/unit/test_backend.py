@@ -47,10 +47,47 @@ def test_unknown_name_lists_known_ones(monkeypatch):
 
 
 def test_unavailable_request_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(CUDAAccelerator, "is_available", classmethod(lambda cls: False))
+    monkeypatch.setattr(CUDAAccelerator, "unavailable_reason",
+                        classmethod(lambda cls: "torch sees no GPU"))
     monkeypatch.setenv("POLYTRAIN_ACCELERATOR", "cuda")
-    with pytest.raises(RuntimeError, match="cuda is not available"):
+    with pytest.raises(RuntimeError, match="cuda is not available in this process: torch sees no GPU"):
         get_accelerator()
+
+
+def test_requesting_a_vendor_backend_without_its_package_says_so(monkeypatch):
+    monkeypatch.setenv("POLYTRAIN_ACCELERATOR", "npu")
+    with pytest.raises(RuntimeError, match="torch_npu is not installed"):
+        get_accelerator()
+
+
+def test_builtin_backends_their_order_and_collective_libraries():
+    assert list(ACCELERATORS) == ["npu", "mlu", "musa", "cuda", "xpu", "mps", "cpu"]
+    assert {name: cls.dist_backend for name, cls in ACCELERATORS.items()} == {
+        "npu": "hccl", "mlu": "cncl", "musa": "mccl", "cuda": "nccl", "xpu": "xccl",
+        "mps": "gloo", "cpu": "gloo"}
+    assert {cls.vendor_module for cls in ACCELERATORS.values()} == {
+        "torch_npu", "torch_mlu", "torch_musa", None}
+
+
+def test_detection_takes_the_first_available_in_order(monkeypatch):
+    for name in ("xpu", "mps", "npu"):
+        monkeypatch.setattr(ACCELERATORS[name], "is_available", classmethod(lambda cls: True))
+    monkeypatch.setattr(ACCELERATORS["npu"], "__init__", lambda self: None)
+    assert get_accelerator().name == "npu"  # out-of-tree stacks before cuda, xpu, mps
+    get_accelerator.cache_clear()
+    monkeypatch.setattr(ACCELERATORS["npu"], "is_available", classmethod(lambda cls: False))
+    assert get_accelerator().name == "xpu"
+
+
+def test_probing_for_devices_imports_no_vendor_package():
+    """Detection asks importlib whether torch_npu etc. exist; it imports none that is absent."""
+    import sys
+
+    for cls in ACCELERATORS.values():
+        cls.is_available()
+    assert not {"torch_npu", "torch_mlu", "torch_musa"} & set(sys.modules)
+    for name in ("npu", "mlu", "musa"):
+        assert ACCELERATORS[name].unavailable_reason() == f"torch_{name} is not installed"
 
 
 def test_memory_stats_track_rss():

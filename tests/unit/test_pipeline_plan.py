@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polytrain.cli import main
 from polytrain.config import ConfigError, load_config
 from polytrain.distributed.pipeline import plan_from_config, split_model
 from polytrain.distributed.topology import ParallelDims

@@ -16,7 +16,6 @@ the pipeline's part:
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch

@@ -1,4 +1,11 @@
-"""Grouped-query self-attention on top of F.scaled_dot_product_attention."""
+"""Multi-head attention on top of F.scaled_dot_product_attention, for every architecture.
+
+One class covers the variants the model zoo needs: grouped-query heads (Llama,
+InternLM2), projection biases (GPT-2, BERT), rotary positions or none (learned
+positions are added to the embeddings instead), bidirectional attention (BERT,
+T5's encoder) and an unscaled score with an additive bias (T5). Subclasses change
+only how q, k and v are projected (InternLM2's packed wqkv, T5's cross-attention).
+"""
 
 from __future__ import annotations
 
@@ -17,53 +24,74 @@ class Attention(nn.Module):
     so the same code runs when tensor parallelism leaves each rank a slice of the heads.
     """
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, layer_id: int, dropout: float = 0.0):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, layer_id: int, *,
+                 head_dim: int | None = None, bias: bool = False, causal: bool = True,
+                 scale: float | None = None, dropout: float = 0.0):
+        """head_dim: per-head size (default dim // n_heads); bias: on every projection;
+        causal: decoder (True) or bidirectional (False) when no mask is given;
+        scale: multiplies q k^T (default 1/sqrt(head_dim); T5 uses 1);
+        dropout: on the attention weights and on the output, in training."""
         super().__init__()
         if n_heads % n_kv_heads:
             raise ValueError(f"n_kv_heads = {n_kv_heads} must divide n_heads = {n_heads}")
-        self.head_dim = dim // n_heads
+        self.head_dim = head_dim or dim // n_heads
         self.layer_id = layer_id  # which slot of a KVCache this layer owns
-        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.causal = causal
+        self.scale = scale
+        self._projections(dim, n_heads, n_kv_heads, bias)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=bias)
         self.dropout = dropout  # on the attention weights, in training
         self.resid_dropout = nn.Dropout(dropout)  # on the output, before it joins the residual stream
 
-    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
-                cache: KVCache | None = None, start_pos: int = 0,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def _projections(self, dim: int, n_heads: int, n_kv_heads: int, bias: bool) -> None:
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=bias)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, dim) -> q (B, T, H, D), k and v (B, T, Hkv, D)."""
+        B, T, _ = x.shape
+        return (self.wq(x).view(B, T, -1, self.head_dim), self.wk(x).view(B, T, -1, self.head_dim),
+                self.wv(x).view(B, T, -1, self.head_dim))
+
+    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor | None = None,
+                rope_sin: torch.Tensor | None = None, cache: KVCache | None = None,
+                start_pos: int = 0, mask: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, T, dim) -> (B, T, dim).
 
-        rope_cos/rope_sin: (T, D/2) or (B, T, D/2) for these tokens' positions.
-        mask: boolean (B or 1, 1, T, S), True = may attend; None = causal.
+        rope_cos/rope_sin: (T, D/2) or (B, T, D/2) for these tokens' positions; None = no RoPE.
+        mask: boolean (B or 1, 1, T, S), True = may attend, or additive float
+        (B or 1, H or 1, T, S); None = causal (or full, for a bidirectional layer).
         """
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, H, D)
-        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, D)
-        v = self.wv(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, D)
-        q = apply_rope(q, rope_cos, rope_sin)
-        k = apply_rope(k, rope_cos, rope_sin)
+        q, k, v = self.project(x)
+        if rope_cos is not None:
+            q = apply_rope(q, rope_cos, rope_sin)
+            k = apply_rope(k, rope_cos, rope_sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
         if cache is not None:
             k, v = cache.update(self.layer_id, k, v, start_pos)  # (B, Hkv, S, D)
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:
-            # Explicit repeat rather than SDPA's enable_gqa: not every backend or
-            # DTensor sharding rule supports that flag.
-            k = k.repeat_interleave(n_rep, dim=1)  # (B, H, S, D)
-            v = v.repeat_interleave(n_rep, dim=1)
-        out = self.core(q, k, v, mask)
+        out = self.core(q, *repeat_kv(q, k, v), mask)
         out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * D)
         return self.resid_dropout(self.wo(out))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              mask: torch.Tensor | None) -> torch.Tensor:
-        """softmax(q k^T / sqrt(D)) v: q (B, H, T, D), k and v (B, H, S, D) -> (B, H, T, D).
+        """softmax(scale q k^T + mask) v: q (B, H, T, D), k and v (B, H, S, D) -> (B, H, T, D).
 
         Its own method so selective activation checkpointing can recompute just this
         part, whose saved activations grow with T * S.
         """
-        causal = mask is None and q.shape[2] > 1
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+        causal = self.causal and mask is None and q.shape[2] > 1
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
                                               dropout_p=self.dropout if self.training else 0.0)
+
+
+def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v (B, Hkv, S, D) repeated to q's head count (B, H, S, D); query head h reads kv head h // (H / Hkv)."""
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep == 1:
+        return k, v
+    # Explicit repeat rather than SDPA's enable_gqa: not every backend or
+    # DTensor sharding rule supports that flag.
+    return k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)

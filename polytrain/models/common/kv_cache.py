@@ -34,6 +34,14 @@ class KVCache:
         self.max_len = max_len
         self.pad = pad
         self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._fixed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def fixed(self, layer: int, make) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values that do not grow with decoding (cross-attention over an encoder's
+        output): `make()` computes them on the layer's first call, later calls reuse them."""
+        if layer not in self._fixed:
+            self._fixed[layer] = make()
+        return self._fixed[layer]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor,
                start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:

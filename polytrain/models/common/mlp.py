@@ -1,22 +1,44 @@
-"""SwiGLU feed-forward block."""
+"""Feed-forward blocks: plain (GPT-2, BERT, T5 v1.0) and gated (SwiGLU, T5 v1.1's gated GELU)."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,  # exact, with erf (BERT)
+    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),  # GPT-2's and T5's "gelu_new"
+    "relu": F.relu,
+}
 
-class SwiGLU(nn.Module):
-    """w2(silu(w1 x) * w3 x): w1 is the gate, w3 the up projection, w2 the down projection."""
 
-    def __init__(self, dim: int, hidden_dim: int, dropout: float = 0.0):
+class FeedForward(nn.Module):
+    """w2(act(w1 x) * w3 x) when gated, else w2(act(w1 x)).
+
+    w1 is the gate (gated) or up projection, w3 the up projection, w2 the down
+    projection: w1 and w3 split by output rows and w2 by input columns under tensor
+    parallelism.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, activation: str = "silu", gated: bool = True,
+                 bias: bool = False, dropout: float = 0.0):
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
+        self.activation = activation
+        self.w1 = nn.Linear(dim, hidden_dim, bias=bias)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=bias) if gated else None
+        self.w2 = nn.Linear(hidden_dim, dim, bias=bias)
         self.dropout = nn.Dropout(dropout)  # on the output, before it joins the residual stream
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (B, T, dim) -> (B, T, hidden_dim) -> (B, T, dim)
-        return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+        h = ACTIVATIONS[self.activation](self.w1(x))
+        if self.w3 is not None:
+            h = h * self.w3(x)
+        return self.dropout(self.w2(h))
+

@@ -1,0 +1,14 @@
+"""Huawei Ascend NPUs through torch_npu, which registers torch.npu (a PrivateUse1 device)."""
+
+from __future__ import annotations
+
+from polytrain.backend.torch_device import TorchDeviceAccelerator
+
+
+class NPUAccelerator(TorchDeviceAccelerator):
+    """Ascend NPUs; collectives through HCCL, which torch_npu registers as 'hccl'."""
+
+    name = "npu"
+    device_type = "npu"
+    dist_backend = "hccl"
+    vendor_module = "torch_npu"

@@ -1,0 +1,7 @@
+import polytrain.compat.auto  # noqa: F401  (the one line added to a CUDA script)
+
+import torch
+
+t = torch.ones(3, device="cuda:0").cuda()
+torch.cuda.synchronize()
+print(f"auto {t.device} {torch.cuda.is_available()}")

@@ -1,0 +1,40 @@
+"""Fine-tuning an imported Hugging Face model at another layout (ZeRO-3 and ZeRO-2 over 2 ranks)
+reproduces the single-process fine-tune: the weights-only checkpoint reshards like any other."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from polytrain.convert import import_hf
+from tests.conftest import tiny_overrides
+from tests.distributed.test_parity import _train_layouts, assert_same_trajectory, train, train_rows
+from tests.models import hf_models
+from tests.multirank import run_ranks
+
+pytestmark = pytest.mark.slow
+
+
+def test_imported_model_fine_tunes_alike_at_every_layout(small_corpus, tmp_path):
+    hf = hf_models.gpt2(vocab_size=512)
+    with torch.no_grad():  # peaked logits: the imported model's loss is far from a fresh model's ln(512)
+        hf.transformer.wte.weight.mul_(20)
+    imported = import_hf(hf_models.save(hf, tmp_path / "hf"), tmp_path / "run")
+    step_0 = str(imported / "checkpoints" / "step_0")
+
+    def overrides(name: str, *extra: str) -> list[str]:
+        args = tiny_overrides(small_corpus, tmp_path / name, run__steps=4, model__arch="gpt2",
+                              model__dim=32, model__n_layers=2, model__n_heads=4, model__n_kv_heads=4,
+                              model__ffn_dim=128, model__vocab_size=512, model__max_seq_len=64,
+                              data__seq_len=32, checkpoint__resume=step_0)
+        return args + list(extra)
+
+    train(overrides("single"))
+    reference = train_rows(tmp_path / "single")
+    fresh = overrides("fresh", "--checkpoint.resume", "none", "--run.steps", "1")
+    train(fresh)
+    assert train_rows(tmp_path / "fresh")[0]["loss"] < reference[0]["loss"] - 1.0
+    layouts = {"zero3": ["--parallel.zero", "3"], "zero2": ["--parallel.zero", "2"]}
+    run_ranks(2, _train_layouts, [overrides(name, *extra) for name, extra in layouts.items()])
+    for name in layouts:
+        assert_same_trajectory(reference, train_rows(tmp_path / name), 1e-5, f"{name} from the imported model")
