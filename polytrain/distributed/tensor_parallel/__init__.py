@@ -14,9 +14,11 @@ from polytrain.distributed.tensor_parallel.cross_entropy import (
 )
 from polytrain.distributed.tensor_parallel.plan import (
     Column,
+    ColumnTable,
     Norm,
     Plan,
     Region,
+    ResidualTable,
     Root,
     Row,
     VocabEmbedding,
@@ -25,6 +27,6 @@ from polytrain.distributed.tensor_parallel.plan import (
 )
 
 __all__ = [
-    "Column", "Norm", "Plan", "Region", "Root", "Row", "TPContext", "VocabEmbedding", "VocabHead",
+    "Column", "ColumnTable", "Norm", "Plan", "Region", "ResidualTable", "Root", "Row", "TPContext", "VocabEmbedding", "VocabHead",
     "parallelize_tp", "shard_range", "shard_sizes", "vocab_parallel_cross_entropy", "vocab_parallel_loss",
 ]

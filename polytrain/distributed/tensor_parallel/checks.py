@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from polytrain.config import Config, ConfigError, ModelConfig
+from polytrain.models import ARCHITECTURES
 
 
-def kv_heads_split(n_kv_heads: int, tp: int) -> bool:
-    """KV heads split evenly, or each shared by tp / n_kv_heads consecutive ranks."""
-    return n_kv_heads % tp == 0 or tp % n_kv_heads == 0
+def kv_heads_split(n_kv_heads: int, tp: int, shared: bool = True) -> bool:
+    """KV heads split evenly, or (`shared`) each shared by tp / n_kv_heads consecutive ranks."""
+    return n_kv_heads % tp == 0 or (shared and tp % n_kv_heads == 0)
 
 
 def valid_tp_degrees(m: ModelConfig) -> list[int]:
     """Every tp that splits this model's heads, KV heads and FFN width."""
+    shared = ARCHITECTURES[m.arch].tp_shares_kv_heads
     return [t for t in range(1, m.n_heads + 1)
-            if m.n_heads % t == 0 and m.ffn_dim % t == 0 and kv_heads_split(m.n_kv_heads, t)]
+            if m.n_heads % t == 0 and m.ffn_dim % t == 0 and kv_heads_split(m.n_kv_heads, t, shared)]
 
 
 def check_tensor_parallel(cfg: Config) -> None:
@@ -25,11 +27,14 @@ def check_tensor_parallel(cfg: Config) -> None:
         raise ConfigError(
             f"parallel.zero = {p.zero} with parallel.tp = {p.tp} is not supported yet (ZeRO-1/2 "
             f"shard replicated parameters, not tensor-parallel shards); use parallel.zero = 0 or 3")
+    arch = ARCHITECTURES[m.arch]
     problems = []
     if m.n_heads % p.tp:
         problems.append(f"model.n_heads = {m.n_heads}")
-    if not kv_heads_split(m.n_kv_heads, p.tp):
-        problems.append(f"model.n_kv_heads = {m.n_kv_heads} (tp must divide it or be a multiple of it)")
+    if not kv_heads_split(m.n_kv_heads, p.tp, arch.tp_shares_kv_heads):
+        problems.append(f"model.n_kv_heads = {m.n_kv_heads} (tp must divide it" + (
+            " or be a multiple of it)" if arch.tp_shares_kv_heads else
+            f": {m.arch} packs each KV head with its query heads, which then cannot be split)"))
     if m.ffn_dim % p.tp:
         problems.append(f"model.ffn_dim = {m.ffn_dim}")
     if problems:
