@@ -11,7 +11,6 @@ imported Hugging Face GPT-2.
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -95,7 +94,7 @@ def _cases(rank: int, world_size: int, cases: list) -> None:
         _compare(rank, world_size, arch, sp, overrides)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "internlm2"])
+@pytest.mark.parametrize("arch", ["gpt2", "internlm2", "bert", "t5"])
 def test_tp2_layers_match_single_device(arch):
     cases = {
         # Biased columns and rows, LayerNorm gains and biases, learned positions (cut to
@@ -104,6 +103,14 @@ def test_tp2_layers_match_single_device(arch):
         # Packed wqkv split by KV groups (2 groups of 2 query heads + k + v).
         "internlm2": [("internlm2", False, {"n_kv_heads": 2}),
                       ("internlm2", True, {"n_kv_heads": 2, "tie_embeddings": True})],
+        # Token-type and position tables, post-norm, padding keys, the replicated MLM
+        # transform and the tied head's vocabulary-split bias.
+        "bert": [("bert", False, {}), ("bert", True, {"vocab_size": 103})],
+        # v1.1 (gated GELU, untied) and v1.0 (ReLU, tied, output scaling); per-head bias
+        # tables, cross-attention over a padded encoder input; SP on both streams.
+        "t5": [("t5", False, {}), ("t5", True, {}),
+               ("t5", True, {"activation": "relu", "gated_ffn": False, "tie_embeddings": True,
+                             "output_scale": True, "vocab_size": 103})],
     }[arch]
     run_ranks(2, _cases, cases)
 
@@ -155,3 +162,108 @@ def test_decoders_train_alike_at_tp2_sp_and_pp2(arch, small_corpus, tmp_path):
         "tp2_sp": ("ref", TP2 + SP),
         "pp2": (untied, PP2),
     })
+
+
+@pytest.mark.parametrize("arch", ["bert", "t5"])
+def test_encoders_train_alike_at_tp2_and_sp(arch, small_corpus, tmp_path):
+    # t5: 33-token windows give span corruption's encoder 30 and decoder 8 tokens, both split by SP.
+    seq = ["--data.seq_len", "33"] if arch == "t5" else []
+    check_layouts(small_corpus, tmp_path, arch, {"ref": seq}, {"tp2": ("ref", TP2), "tp2_sp": ("ref", TP2 + SP)})
+
+
+# ----- dropout streams -------------------------------------------------------------------
+
+
+def _dropout(rank: int, world_size: int, archs: list[str]) -> None:
+    """With dropout under tp (no SP): the replicated residual stream stays identical on every
+    rank, so every block's output does, while the attention core (this rank's heads) draws
+    from a per-rank stream; and dropout acts at all (training != eval)."""
+    from polytrain.distributed.collectives import all_gather
+    from polytrain.distributed.tensor_parallel import vocab_parallel_loss
+    from polytrain.distributed.topology import ParallelDims
+    from polytrain.models import ARCHITECTURES
+    from polytrain.models.common.init import init_plain
+
+    def same_across_tp(x: torch.Tensor) -> bool:
+        copies = all_gather(x.detach()[None].contiguous(), 0, ctx.group)  # (tp, ...)
+        return torch.equal(copies[0], copies[1])
+
+    for arch in archs:
+        cfg = zoo_config(arch, dropout=0.3)
+        torch.manual_seed(0)  # every rank's default generator in lock-step, as the trainer's
+        model = ARCHITECTURES[arch].build(cfg)
+        init_plain(model, 0)
+        attention, core_draws = model.layers["0"].attention, []
+        inner_core = attention.core
+
+        def spy(*args, inner_core=inner_core, core_draws=core_draws):
+            core_draws.append(torch.rand(4))  # what the core's dropout draws from
+            return inner_core(*args)
+
+        attention.core = spy  # before parallelize, which runs it in the per-rank stream
+        dims = ParallelDims(world_size=world_size, dp_replicate=1, dp_shard=1, zero=0, tp=world_size, sp=False)
+        mesh = dims.build_mesh("cpu")
+        ctx = ARCHITECTURES[arch].parallelize(model, dims, mesh)
+        args, targets = _inputs(cfg)
+        outs = []
+        hooks = [b.register_forward_hook(lambda m, i, o: outs.append(o)) for b in model.layers.values()]
+        logits = model(*args)
+        vocab_parallel_loss(mesh["tp"], cfg.vocab_size)(logits, targets).backward()
+        for h in hooks:
+            h.remove()
+        for i, out in enumerate(outs):
+            assert same_across_tp(out), f"{arch}: block {i}'s replicated output differs across tp"
+        assert not same_across_tp(core_draws[0]), f"{arch}: the attention core's stream is shared across tp"
+        model.eval()
+        with torch.no_grad():
+            assert not torch.allclose(model(*args), logits.detach()), f"{arch}: dropout had no effect"
+
+
+def _cross_entropy_ignores(rank: int, world_size: int) -> None:
+    """The vocabulary-parallel loss of targets with -100 entries equals F.cross_entropy's (the
+    mean over scored tokens), and so does the gradient of every rank's logits; NaN when none is scored."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from polytrain.distributed.tensor_parallel import shard_range, vocab_parallel_cross_entropy
+
+    V = 11  # split 6 + 5
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 6, V, generator=g, requires_grad=True)
+    targets = torch.randint(0, V, (2, 6), generator=g)
+    targets[0, 1:5] = -100
+    targets[1, 0] = -100
+    start, end = shard_range(V, world_size, rank)
+    local = logits.detach()[..., start:end].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, targets, start, dist.group.WORLD)
+    loss.backward()
+    ref = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    ref.backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(local.grad, logits.grad[..., start:end])
+    none = torch.full_like(targets, -100)
+    assert vocab_parallel_cross_entropy(local, none, start, dist.group.WORLD).isnan()
+
+
+def _dropout_and_loss(rank: int, world_size: int, archs: list[str]) -> None:
+    _dropout(rank, world_size, archs)
+    _cross_entropy_ignores(rank, world_size)
+
+
+def test_dropout_streams_and_loss_ignoring_unscored_targets_under_tp():
+    run_ranks(2, _dropout_and_loss, ["gpt2", "internlm2", "bert", "t5"])
+
+
+# ----- fine-tuning an imported Hugging Face model ----------------------------------------
+
+
+def test_imported_gpt2_fine_tunes_alike_at_tp2_and_pp2(small_corpus, tmp_path):
+    from tests.distributed.test_finetune_imported import fine_tune_imported_gpt2
+    from tests.distributed.test_parity import _train_layouts, assert_same_trajectory, train_rows
+
+    # Untied: a pipeline's first and last stages cannot share the token table.
+    overrides, reference = fine_tune_imported_gpt2(small_corpus, tmp_path, tied=False)
+    layouts = {"tp2": TP2, "tp2_sp": TP2 + SP, "pp2": PP2}
+    run_ranks(2, _train_layouts, [overrides(name, *extra) for name, extra in layouts.items()])
+    for name in layouts:
+        assert_same_trajectory(reference, train_rows(tmp_path / name), RTOL, f"{name} from the imported gpt2")

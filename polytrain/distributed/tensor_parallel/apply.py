@@ -1,6 +1,7 @@
 """Apply a model's tensor-parallel plan and its dropout streams: what every architecture's parallelize does.
 
     ctx = parallelize_model(model, tp_plan(model.cfg), dims, mesh)   # in models/<arch>/parallelize.py
+    parallelize = parallelizer(tp_plan)                              # or, when that is all it does
 
 plus the roles of the shared layers (polytrain/models/common), which every plan splits
 alike: attention by heads, the feed-forward block by hidden features.
@@ -12,6 +13,7 @@ ranks as the activations are; see polytrain/distributed/rng.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
@@ -24,6 +26,7 @@ from polytrain.distributed.tensor_parallel.context import TPContext
 from polytrain.distributed.tensor_parallel.plan import Column, Plan, Region, Row, parallelize_tp
 
 if TYPE_CHECKING:
+    from polytrain.config import ModelConfig
     from polytrain.distributed.topology import ParallelDims
 
 
@@ -41,6 +44,15 @@ def parallelize_model(model: nn.Module, plan: Plan, dims: ParallelDims,
             _fork_residual_stream(model, dropout)
         return None
     return parallelize_tp(model, plan, mesh["tp"], dims.sp, dropout=dropout)
+
+
+def parallelizer(tp_plan: Callable[[ModelConfig], Plan]) -> Callable:
+    """`parallelize(model, dims, mesh)` (Architecture.parallelize_module's) applying `tp_plan(model.cfg)`."""
+    def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None) -> TPContext | None:
+        """Tensor/sequence parallelism and dropout streams, in place; None when tp = 1."""
+        return parallelize_model(model, tp_plan(model.cfg), dims, mesh)
+
+    return parallelize
 
 
 def _fork_residual_stream(model: nn.Module, dropout: DropoutRNG) -> None:

@@ -42,8 +42,31 @@ def check_tensor_parallel(cfg: Config) -> None:
         raise ConfigError(f"parallel.tp = {p.tp} does not split {' and '.join(problems)}; "
                           f"tp values that fit this model: {valid}")
     seq = cfg.data.seq_len
-    if p.sp and seq % p.tp:
+    if p.sp and arch.kind == "encoder-decoder":
+        _check_span_lengths(cfg)
+    elif p.sp and seq % p.tp:
         raise ConfigError(
             f"parallel.sp splits each sequence into parallel.tp = {p.tp} equal parts, but "
             f"data.seq_len = {seq} is not a multiple of {p.tp}; use data.seq_len = "
             f"{seq // p.tp * p.tp or p.tp} or {(seq // p.tp + 1) * p.tp}, or parallel.sp = false")
+
+
+def _span_lengths(cfg: Config, seq_len: int) -> tuple[int, int]:
+    """(encoder, decoder) input lengths of T5's span corruption of `seq_len`-token windows."""
+    from polytrain.data.objectives import span_counts
+
+    noise, spans = span_counts(seq_len, cfg.data.mask_fraction, cfg.data.mean_span_length)
+    return seq_len - noise + spans, noise + spans + 1
+
+
+def _check_span_lengths(cfg: Config) -> None:
+    """SP splits both of an encoder-decoder's streams: each input length must be a multiple of tp."""
+    tp, seq = cfg.parallel.tp, cfg.data.seq_len
+    enc, dec = _span_lengths(cfg, seq)
+    if enc % tp or dec % tp:
+        fits = [n for n in range(max(seq - 8 * tp, 2), seq + 8 * tp + 1) if not any(
+            length % tp for length in _span_lengths(cfg, n))]
+        hint = f"use data.seq_len = {min(fits, key=lambda n: abs(n - seq))}" if fits else "set parallel.sp = false"
+        raise ConfigError(
+            f"parallel.sp splits the encoder's {enc} and the decoder's {dec} input tokens (span corruption "
+            f"of data.seq_len = {seq}) into parallel.tp = {tp} equal parts; {hint}, or parallel.sp = false")

@@ -11,21 +11,16 @@ table (tied).
 
 from __future__ import annotations
 
-import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
-
 from polytrain.config import ModelConfig
 from polytrain.distributed.tensor_parallel import (
     Norm,
     Plan,
     ResidualTable,
     Root,
-    TPContext,
     VocabEmbedding,
     VocabHead,
 )
-from polytrain.distributed.tensor_parallel.apply import attention_roles, feed_forward_roles, parallelize_model
-from polytrain.distributed.topology import ParallelDims
+from polytrain.distributed.tensor_parallel.apply import attention_roles, feed_forward_roles, parallelizer
 from polytrain.models.common.base import head_dim
 
 
@@ -44,6 +39,4 @@ def tp_plan(cfg: ModelConfig) -> Plan:
     }
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None) -> TPContext | None:
-    """Tensor/sequence parallelism and dropout streams, in place; None when tp = 1."""
-    return parallelize_model(model, tp_plan(model.cfg), dims, mesh)
+parallelize = parallelizer(tp_plan)
