@@ -5,7 +5,8 @@ loss (with unscored -100 targets) and every parameter's gradient of gpt2, intern
 bert and t5 under tp = 2, with and without SP. Trainer level: 10 fp32 steps of each
 architecture at tp = 2 (and SP) and of the decoders at pp = 2 give the single-process
 loss and gradient-norm trajectory within 1e-4 relative, and so does fine-tuning an
-imported Hugging Face GPT-2.
+imported Hugging Face GPT-2 (4 steps) at tp = 2, tp = 2 with SP and pp = 2. Dropout
+streams and the loss's handling of unscored targets are checked on 2 ranks too.
 """
 
 from __future__ import annotations
@@ -131,18 +132,24 @@ def arch_overrides(corpus, run_dir, arch: str, *extra: str) -> list[str]:
 
 
 def check_layouts(corpus, tmp_path, arch: str, references: dict[str, list[str]],
-                  layouts: dict[str, tuple[str, list[str]]]) -> None:
+                  layouts: dict[str, tuple[str, list[str]]], world_size: int = 2) -> None:
     """Train each reference on one process and each layout (reference name, extra overrides) on
-    2 ranks; every layout's loss and gradient-norm trajectory must be its reference's."""
-    from tests.distributed.test_parity import _train_layouts, assert_same_trajectory, train, train_rows
+    `world_size` ranks; every layout's loss and gradient-norm trajectory must be its reference's."""
+    from tests.distributed.test_parity import (
+        _train_layouts,
+        assert_same_trajectory,
+        train,
+        train_rows,
+    )
 
     rows = {}
     for name, extra in references.items():
         train(arch_overrides(corpus, tmp_path / name, arch, *extra))
         rows[name] = train_rows(tmp_path / name)
         assert len(rows[name]) == 10 and rows[name][-1]["loss"] < rows[name][0]["loss"], name
-    run_ranks(2, _train_layouts, [arch_overrides(corpus, tmp_path / name, arch, *references[ref], *extra)
-                                  for name, (ref, extra) in layouts.items()])
+    runs = [arch_overrides(corpus, tmp_path / name, arch, *references[ref], *extra)
+            for name, (ref, extra) in layouts.items()]
+    run_ranks(world_size, _train_layouts, runs)
     for name, (ref, _) in layouts.items():
         assert_same_trajectory(rows[ref], train_rows(tmp_path / name), RTOL, f"{arch} {name}")
 
@@ -162,6 +169,12 @@ def test_decoders_train_alike_at_tp2_sp_and_pp2(arch, small_corpus, tmp_path):
         "tp2_sp": ("ref", TP2 + SP),
         "pp2": (untied, PP2),
     })
+
+
+def test_gpt2_composes_tp2_sp_with_pp2(small_corpus, tmp_path):
+    # 4 ranks: the second stage receives each rank's (B, T/2, D) slice of the residual stream.
+    check_layouts(small_corpus, tmp_path, "gpt2", {"ref": UNTIED}, {"tp2_sp_pp2": ("ref", TP2 + SP + PP2)},
+                  world_size=4)
 
 
 @pytest.mark.parametrize("arch", ["bert", "t5"])
@@ -206,7 +219,7 @@ def _dropout(rank: int, world_size: int, archs: list[str]) -> None:
         ctx = ARCHITECTURES[arch].parallelize(model, dims, mesh)
         args, targets = _inputs(cfg)
         outs = []
-        hooks = [b.register_forward_hook(lambda m, i, o: outs.append(o)) for b in model.layers.values()]
+        hooks = [b.register_forward_hook(lambda m, i, o, outs=outs: outs.append(o)) for b in model.layers.values()]
         logits = model(*args)
         vocab_parallel_loss(mesh["tp"], cfg.vocab_size)(logits, targets).backward()
         for h in hooks:

@@ -48,12 +48,12 @@ def test_pipelines_the_zoo_cannot_run(arch, args, message):
 @pytest.mark.parametrize("arch, world, args, message", [
     # InternLM2 packs each KV head with its query heads in wqkv: tp may not exceed n_kv_heads.
     ("internlm2", 4, ["--parallel.tp", "4", "--model.n_heads", "8", "--model.n_kv_heads", "2"],
-     "parallel.tp = 4 does not split model.n_kv_heads = 2 (tp must divide it: internlm2 packs each KV head "
-     "with its query heads, which then cannot be split); tp values that fit this model: 1, 2"),
+     ("parallel.tp = 4 does not split model.n_kv_heads = 2 (tp must divide it: internlm2 packs each KV head "
+      "with its query heads, which then cannot be split); tp values that fit this model: 1, 2")),
     # T5's span corruption of 32 tokens: encoder 29, decoder 8 tokens; SP needs both even.
     ("t5", 2, ["--parallel.tp", "2", "--parallel.sp", "true", "--data.seq_len", "32"],
-     "parallel.sp splits the encoder's 29 and the decoder's 8 input tokens (span corruption of "
-     "data.seq_len = 32) into parallel.tp = 2 equal parts; use data.seq_len = 31, or parallel.sp = false"),
+     ("parallel.sp splits the encoder's 29 and the decoder's 8 input tokens (span corruption of "
+      "data.seq_len = 32) into parallel.tp = 2 equal parts; use data.seq_len = 31, or parallel.sp = false")),
 ])
 def test_tensor_parallel_misfits_of_the_zoo(arch, world, args, message):
     with pytest.raises(ConfigError) as err:

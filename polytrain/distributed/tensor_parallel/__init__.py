@@ -27,6 +27,7 @@ from polytrain.distributed.tensor_parallel.plan import (
 )
 
 __all__ = [
-    "Column", "ColumnTable", "Norm", "Plan", "Region", "ResidualTable", "Root", "Row", "TPContext", "VocabEmbedding", "VocabHead",
+    "Column", "ColumnTable", "Norm", "Plan", "Region", "ResidualTable", "Root", "Row", "TPContext",
+    "VocabEmbedding", "VocabHead",
     "parallelize_tp", "shard_range", "shard_sizes", "vocab_parallel_cross_entropy", "vocab_parallel_loss",
 ]

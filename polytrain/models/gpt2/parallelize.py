@@ -20,7 +20,11 @@ from polytrain.distributed.tensor_parallel import (
     VocabEmbedding,
     VocabHead,
 )
-from polytrain.distributed.tensor_parallel.apply import attention_roles, feed_forward_roles, parallelizer
+from polytrain.distributed.tensor_parallel.apply import (
+    attention_roles,
+    feed_forward_roles,
+    parallelizer,
+)
 from polytrain.models.common.base import head_dim
 
 

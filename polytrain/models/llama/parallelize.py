@@ -13,8 +13,19 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from polytrain.config import ModelConfig
-from polytrain.distributed.tensor_parallel import Norm, Plan, Root, TPContext, VocabEmbedding, VocabHead
-from polytrain.distributed.tensor_parallel.apply import attention_roles, feed_forward_roles, parallelize_model
+from polytrain.distributed.tensor_parallel import (
+    Norm,
+    Plan,
+    Root,
+    TPContext,
+    VocabEmbedding,
+    VocabHead,
+)
+from polytrain.distributed.tensor_parallel.apply import (
+    attention_roles,
+    feed_forward_roles,
+    parallelize_model,
+)
 from polytrain.distributed.topology import ParallelDims
 from polytrain.models.common.base import head_dim
 

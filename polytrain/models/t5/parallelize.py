@@ -17,8 +17,19 @@ decoder input lengths must be multiples of tp (checked at start-up).
 from __future__ import annotations
 
 from polytrain.config import ModelConfig
-from polytrain.distributed.tensor_parallel import ColumnTable, Norm, Plan, Root, VocabEmbedding, VocabHead
-from polytrain.distributed.tensor_parallel.apply import attention_roles, feed_forward_roles, parallelizer
+from polytrain.distributed.tensor_parallel import (
+    ColumnTable,
+    Norm,
+    Plan,
+    Root,
+    VocabEmbedding,
+    VocabHead,
+)
+from polytrain.distributed.tensor_parallel.apply import (
+    attention_roles,
+    feed_forward_roles,
+    parallelizer,
+)
 from polytrain.models.common.base import head_dim
 
 
