@@ -88,6 +88,13 @@ def _compare(rank: int, world_size: int, arch: str, sp: bool, overrides: dict) -
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad.full_tensor(), ref_params[name].grad, rtol=1e-4, atol=1e-6,
                                    msg=f"{what}: gradient of {name}")
+    if ARCHITECTURES[arch].kind == "decoder":
+        from polytrain.inference.generate import generate
+
+        # KV-cached greedy decoding of prompts of different lengths (left-padded: per-row
+        # positions) runs without SP and gathers the logits: the single-device tokens.
+        prompts = [[5, 17, 3, 88, 42], [23, 4]]
+        assert generate(model, prompts, 8, temperature=0) == generate(ref, prompts, 8, temperature=0), what
 
 
 def _cases(rank: int, world_size: int, cases: list) -> None:
