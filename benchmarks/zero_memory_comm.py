@@ -251,7 +251,10 @@ def _stage(zero: int, world_size: int, opts: dict, work: str) -> dict:
     named = list(trainer.model.named_parameters())
     psi = sum(p.numel() for _, p in named)  # a DTensor's numel is the global count
     psi_root = sum(p.numel() for name, p in named if not name.startswith("layers."))
-    result = {"zero": zero, "nproc": world_size, "psi": psi, "psi_root": psi_root, "memory": memory,
+    last = f"layers.{len(trainer.model.layers) - 1}."
+    psi_last = sum(p.numel() for name, p in named if name.startswith(last))
+    result = {"zero": zero, "nproc": world_size, "psi": psi, "psi_root": psi_root, "psi_last": psi_last,
+              "memory": memory,
               "comm_model": comm.total("model"), "comm_small": comm.total("small"),
               "collectives": comm.calls, "peak_rss_mib": rss_mib(), "rss_start_mib": rss_start}
     trainer.metrics.close()
@@ -307,7 +310,12 @@ def _mib(nbytes: float) -> str:
 def report(args: argparse.Namespace, rows: list[dict]) -> str:
     from polytrain.backend import get_accelerator
 
-    psi, psi_root = rows[0]["psi"], rows[0]["psi_root"]
+    psi, psi_root, psi_last = rows[0]["psi"], rows[0]["psi_root"], rows[0]["psi_last"]
+    # Where the backend's reduce-scatter is slow, gradients are all-reduced (twice the bytes).
+    by_all_reduce = get_accelerator().reduce_scatter_by_all_reduce
+    reduce_psi = 2 if by_all_reduce else 1
+    reduced_by = ("an all-reduce (this backend's reduce-scatter is slower)" if by_all_reduce
+                  else "reduce-scatter")
     command = " ".join(["python benchmarks/zero_memory_comm.py", *sys.argv[1:]])
     lines = [
         f"Machine: {get_accelerator().describe()} | gloo | {datetime.date.today().isoformat()}",
@@ -348,10 +356,13 @@ def report(args: argparse.Namespace, rows: list[dict]) -> str:
          "ones, like ZeRO-2 (it holds full gradients only between micro-batches of an "
          "accumulating step), so its ratio is below 1 by the 4psi(1 - 1/N) of full gradients "
          "the theory counts."),
-        (f"ZeRO-3: the root FSDP unit (embedding, final norm, output head: {psi_root:,} = "
-         f"{psi_root / psi:.0%} of psi) stays gathered from forward to backward "
-         "(reshard_after_forward=False), so it is all-gathered once a step, not twice: "
-         f"expected ratio (3 psi - psi_root) / 3 psi = {(3 * psi - psi_root) / (3 * psi):.3f}."),
+        (f"Gradients are reduced by {reduced_by}, {reduce_psi} psi of the bytes sent: ZeRO-1/2 "
+         f"expect ({reduce_psi} psi + psi) / 2 psi = {(reduce_psi + 1) / 2:.3f}. ZeRO-3: the root "
+         f"FSDP unit (embedding, final norm, output head: {psi_root:,} = {psi_root / psi:.0%} of "
+         f"psi) stays gathered from forward to backward, and so does the last block "
+         f"({psi_last:,}), which backward needs first: each is all-gathered once a step, not "
+         f"twice: expected ratio (3 psi - psi_root - psi_last + {reduce_psi - 1} psi) / 3 psi = "
+         f"{(3 * psi - psi_root - psi_last + (reduce_psi - 1) * psi) / (3 * psi):.3f}."),
         ("Small collectives (under 4 KiB: the loss average, the gradient norm) are not in the "
          "sent column; FSDP2's zero-0 replicas and ZeRO-3 on a (1, N) mesh also issue "
          "collectives over size-1 groups, which send nothing."),

@@ -137,17 +137,19 @@ class TrainConfig:
     weight_decay: float = 0.1
     """Decoupled weight decay on matrices (not on norms, biases or embeddings' gains)."""
     beta1: float = 0.9
-    """Adam first-moment decay."""
+    """AdamW and LAMB first-moment decay."""
     beta2: float = 0.95
-    """Adam second-moment decay."""
+    """AdamW and LAMB second-moment decay."""
     eps: float = 1e-8
-    """Adam epsilon."""
+    """AdamW and LAMB epsilon."""
     momentum: float = 0.9
-    """SGD momentum."""
+    """SGD and LARS momentum."""
     grad_clip: float = 1.0
     """Clip the global gradient norm (over all ranks and shards) to this; 0 = no clipping."""
-    optimizer: str = _choices("adamw", "sgd")
-    """Optimizer: adamw or sgd (momentum 0.9)."""
+    optimizer: str = _choices("adamw", "lamb", "lars", "sgd")
+    """Optimizer: adamw, lamb or lars (per-tensor trust ratios for large batches), or sgd."""
+    trust_clip: float = 0.0
+    """lamb/lars only: upper bound on each tensor's trust ratio ||w|| / ||update|| (0 = unbounded)."""
     precision: str = _choices("fp32", "bf16", "fp16")
     """Compute precision; bf16/fp16 autocast matmuls while weights and optimizer stay fp32."""
     loss_scale: float = 0.0
@@ -431,6 +433,7 @@ def validate(cfg: Config) -> None:
                                   or t.loss_scale_window < 1 or t.min_loss_scale <= 0):
         raise ConfigError("fp16 loss scaling needs loss_scale >= 0, initial_scale_power >= 0, "
                           "hysteresis >= 1, loss_scale_window >= 1 and min_loss_scale > 0")
+    _validate_optimizer(t)
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr = {t.min_lr} is above train.lr = {t.lr}")
     if cfg.parallel.reduce_bucket_mb <= 0:
@@ -492,6 +495,25 @@ def _validate_model(m: ModelConfig) -> None:
     if m.rel_pos_buckets < 4 or m.rel_pos_max_distance <= m.rel_pos_buckets // 2:
         raise ConfigError(f"t5 relative positions need model.rel_pos_buckets >= 4 (now {m.rel_pos_buckets}) "
                           f"and model.rel_pos_max_distance > buckets / 2 (now {m.rel_pos_max_distance})")
+
+
+def _validate_optimizer(t: TrainConfig) -> None:
+    """The keys the chosen optimizer reads must hold values it can step with."""
+    if t.optimizer in ("adamw", "lamb"):
+        for key in ("beta1", "beta2"):
+            if not 0 <= getattr(t, key) < 1:
+                raise ConfigError(f"train.{key} = {getattr(t, key)} must be in [0, 1) for {t.optimizer}")
+        if t.eps <= 0:
+            raise ConfigError(f"train.eps = {t.eps} must be positive for {t.optimizer}")
+    if t.optimizer in ("sgd", "lars") and not 0 <= t.momentum < 1:
+        raise ConfigError(f"train.momentum = {t.momentum} must be in [0, 1) for {t.optimizer}")
+    if t.trust_clip < 0:
+        raise ConfigError(f"train.trust_clip = {t.trust_clip} must be >= 0 (0 = unbounded trust ratio)")
+    if t.trust_clip > 0 and t.optimizer not in ("lamb", "lars"):
+        raise ConfigError(f"train.trust_clip bounds LAMB/LARS trust ratios; train.optimizer = "
+                          f"'{t.optimizer}' has none: set train.optimizer = 'lamb' or 'lars', or trust_clip = 0")
+    if t.weight_decay < 0:
+        raise ConfigError(f"train.weight_decay = {t.weight_decay} must be >= 0")
 
 
 def _nearest_multiple(value: int, unit: int) -> int:

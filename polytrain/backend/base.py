@@ -52,6 +52,10 @@ class Accelerator(ABC):
     vendor_module: str | None = None
     """The package that adds this device to torch (e.g. 'torch_npu'), or None where torch itself
     drives it. Imported only when the device is probed or used, never at polytrain import."""
+    reduce_scatter_by_all_reduce: bool = False
+    """Whether data parallelism reduce-scatters gradients as an all-reduce of the whole buffer
+    (each rank keeps its piece): twice the bytes, but faster where the backend's
+    reduce-scatter is much slower than its all-reduce (see distributed/reduce_scatter.py)."""
 
     @classmethod
     @abstractmethod

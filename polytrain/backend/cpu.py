@@ -20,6 +20,8 @@ class CPUAccelerator(Accelerator):
     name = "cpu"
     device_type = "cpu"
     dist_backend = "gloo"
+    # gloo on one host, 12 MiB of fp32 over 2 ranks: reduce-scatter ~40 ms, all-reduce ~20 ms.
+    reduce_scatter_by_all_reduce = True
 
     def __init__(self) -> None:
         self._peak_flops: dict[torch.dtype, float] = {}

@@ -347,8 +347,9 @@ def _optimizer(r: _Reader) -> OptimizerSpec | None:
     key, p = kind.lower(), "optimizer.params"
     if key == "lamb":
         raise ConfigError(
-            f'optimizer.type = "{kind}" is not supported yet (LAMB is planned); '
-            "use Adam, AdamW or SGD"
+            f'optimizer.type = "{kind}" is not mapped (DeepSpeed\'s Lamb also bounds trust ratios '
+            "from below by min_coeff; polytrain's does not); use Adam, AdamW or SGD here, or "
+            "drop the optimizer block and pass --train.optimizer lamb"
         )
     if key not in ("adam", "adamw", "sgd"):
         raise ConfigError(f'optimizer.type = "{kind}" is not supported; use Adam, AdamW or SGD')

@@ -40,8 +40,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from polytrain.backend import get_accelerator
 from polytrain.config import ParallelConfig, TrainConfig
 from polytrain.distributed.offload import ShardStore
+from polytrain.distributed.reduce_scatter import AllReduceScatter
 from polytrain.distributed.topology import ParallelDims
 from polytrain.distributed.zero import ZeroDataParallel
 from polytrain.optim.builder import build_optimizer
@@ -85,6 +87,14 @@ def build_data_parallel(dims: ParallelDims, mesh: DeviceMesh | None, cfg: Parall
     return FSDP2DataParallel(dims, mesh)
 
 
+def shard_unit(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool) -> FSDPModule:
+    """`fully_shard` one FSDP2 unit, reducing its gradients the way the backend does fastest."""
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    if get_accelerator().reduce_scatter_by_all_reduce:
+        module.set_custom_reduce_scatter(AllReduceScatter())
+    return module
+
+
 class FSDP2DataParallel:
     """zero = 0 (replicas) or 3 (sharded) through FSDP2; a plain model and optimizer when dp = 1.
 
@@ -118,10 +128,10 @@ class FSDP2DataParallel:
         blocks = list(model.layers.values())
         for i, block in enumerate(blocks):
             reshard = self.dims.zero == 3 and not self.pipelined and i < len(blocks) - 1
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
+            shard_unit(block, dp_mesh, reshard_after_forward=reshard)
         # The root's parameters (embedding, head) are needed again right at the start
         # of backward, so they stay gathered after forward.
-        fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
+        shard_unit(model, dp_mesh, reshard_after_forward=False)
         return model
 
     def build_optimizer(self, model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:

@@ -28,6 +28,8 @@ import torch
 
 from polytrain.backend import get_accelerator
 from polytrain.errors import ConfigError
+from polytrain.optim.lamb import Lamb
+from polytrain.optim.lars import Lars
 
 OFFLOADS = ("none", "cpu", "nvme")
 
@@ -98,7 +100,10 @@ def state_names(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
     """The per-parameter state tensors (each shaped like its parameter) that `optimizer` keeps."""
     if isinstance(optimizer, torch.optim.Adam) and not any(g["amsgrad"] for g in optimizer.param_groups):
         return ("exp_avg", "exp_avg_sq")  # AdamW is an Adam
-    if isinstance(optimizer, torch.optim.SGD) and all(g["momentum"] for g in optimizer.param_groups):
+    if isinstance(optimizer, Lamb):
+        return ("exp_avg", "exp_avg_sq")
+    if isinstance(optimizer, Lars) or (isinstance(optimizer, torch.optim.SGD)
+                                       and all(g["momentum"] for g in optimizer.param_groups)):
         return ("momentum_buffer",)
     raise ValueError(f"nvme offload does not know the state of {type(optimizer).__name__}")
 
@@ -111,7 +116,7 @@ def fresh_state(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tenso
     the gradient into a missing momentum buffer; into a zero buffer, 0.9 * 0 + g is g
     exactly.)
     """
-    if isinstance(optimizer, torch.optim.Adam):
+    if isinstance(optimizer, (torch.optim.Adam, Lamb)):
         return {"step": torch.tensor(0.0), **tensors}  # a host scalar, as torch's own
     return dict(tensors)
 

@@ -50,6 +50,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from polytrain.backend import get_accelerator
 from polytrain.config import TrainConfig
 from polytrain.distributed.offload import ShardStore, fresh_state, state_names
+from polytrain.distributed.reduce_scatter import start_reduce_scatter
 from polytrain.optim.builder import make_optimizer, param_groups
 from polytrain.optim.clip import clip_coefficient, sharded_grad_norm
 
@@ -91,7 +92,10 @@ class Bucket:
 
 @dataclass
 class CommCounts:
-    """Collectives this strategy issued and the bytes of the full (dp x S) buffer each one moves."""
+    """Collectives this strategy issued and the bytes of the full (dp x S) buffer each one moves.
+
+    A reduce-scatter done as an all-reduce (reduce_scatter.py) counts as a reduce-scatter.
+    """
 
     reduce_scatter_calls: int = 0
     reduce_scatter_bytes: int = 0
@@ -178,6 +182,7 @@ class ZeroDataParallel:
         # mesh None: one data-parallel rank, no process group.
         self.group = mesh.get_group() if mesh is not None else None
         self.rank, self.size = (mesh.get_local_rank(), mesh.size()) if mesh is not None else (0, 1)
+        self.by_all_reduce = get_accelerator().reduce_scatter_by_all_reduce  # see reduce_scatter.py
         self.device = torch.device("cpu")  # of the compute parameters, set by build_optimizer
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -224,7 +229,7 @@ class ZeroDataParallel:
         self.masters = {fqn: by_fqn[fqn] for fqn, _ in named}  # model order, as in checkpoints
         groups = [{**g, "params": [by_param[id(p)] for p in g["params"]]}
                   for g in param_groups(model, cfg.weight_decay)]
-        self.optimizer = make_optimizer(groups, cfg)
+        self.optimizer = make_optimizer(groups, cfg, square_sums=self._whole_square_sums)
         if self.store.maps_state:
             self._map_optimizer_state()
         return self.optimizer
@@ -264,6 +269,21 @@ class ZeroDataParallel:
         spec = DTensorSpec(self.mesh, (Shard(0),), TensorMeta(like.shape, stride, local.dtype))
         return DTensor(local, spec, requires_grad=False)
 
+    @torch.no_grad()
+    def _whole_square_sums(self, masters: list[torch.Tensor], local: torch.Tensor) -> torch.Tensor:
+        """Per-parameter sums of squares (n, k) of the whole tensors, from this rank's rows of each.
+
+        Every master is one parameter's rows, and the dp ranks' rows of it are disjoint
+        (padding is never part of a master), so one all-reduce of the (n, k) partial sums
+        over the dp group gives the whole tensors' sums for all n parameters at once.
+        For LAMB/LARS trust ratios (optim/trust.py).
+        """
+        if self.group is None:
+            return local
+        total = local.to(self.device)  # collectives run on the accelerator, also when offloaded
+        dist.all_reduce(total, group=self.group)
+        return total.to(local.device)
+
     # ----- gradients ----------------------------------------------------------------
 
     def before_micro_batch(self, model: nn.Module, last: bool) -> None:
@@ -295,9 +315,8 @@ class ZeroDataParallel:
             else:
                 split_into_pieces(slot.param.grad.reshape(-1), pieces)
                 slot.param.grad = None
-        # (S,) the sum of every rank's pieces for this rank
-        recv = torch.empty(bucket.size, dtype=bucket.grad.dtype, device=self.device)
-        work = self._collective(dist.reduce_scatter_single, recv, send.view(-1))
+        # recv (S,): the sum of every rank's pieces for this rank, once `work` is done
+        work, recv = start_reduce_scatter(send, self.group, self.rank, self.by_all_reduce)
         self.comm.reduce_scatter_calls += 1
         self.comm.reduce_scatter_bytes += send.numel() * send.element_size()
         bucket.launched = True
@@ -305,12 +324,12 @@ class ZeroDataParallel:
         while len(self._pending) > MAX_IN_FLIGHT:
             self._finish_oldest()
 
-    def _collective(self, op, out: torch.Tensor, inp: torch.Tensor) -> dist.Work | None:
-        """Start `op` (reduce_scatter_single / all_gather_single) on the dp group; one rank only copies."""
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> dist.Work | None:
+        """Start gathering every rank's `inp` (S,) into `out` (dp * S,); one rank only copies."""
         if self.group is None:
-            out.copy_(inp.view_as(out))
+            out.copy_(inp)
             return None
-        return op(out, inp, group=self.group, async_op=True)
+        return dist.all_gather_single(out, inp, group=self.group, async_op=True)
 
     def _finish_oldest(self) -> None:
         work, recv, bucket, _send = self._pending.pop(0)  # _send must live until the work is done
@@ -375,7 +394,7 @@ class ZeroDataParallel:
             # Offloaded, the updated host shard goes to the device first (asynchronously from pinned memory).
             send = bucket.master.to(self.device, non_blocking=True)  # (S,)
             recv = torch.empty(self.size, bucket.size, dtype=bucket.master.dtype, device=self.device)
-            work = self._collective(dist.all_gather_single, recv.view(-1), send)
+            work = self._all_gather(recv.view(-1), send)
             self.comm.all_gather_calls += 1
             self.comm.all_gather_bytes += recv.numel() * recv.element_size()
             in_flight.append((work, recv, bucket, send))

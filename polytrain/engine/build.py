@@ -15,13 +15,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from polytrain.config import Config, load_config
 from polytrain.deepspeed import DSConfig, OptimizerSpec, to_overrides
-from polytrain.distributed.data_parallel import DataParallel, FSDP2DataParallel
+from polytrain.distributed.data_parallel import DataParallel, FSDP2DataParallel, shard_unit
 from polytrain.distributed.materialize import materialize
 from polytrain.distributed.topology import ParallelDims
 from polytrain.errors import ConfigError
@@ -96,7 +95,7 @@ def _parallelize(model: nn.Module, dp: DataParallel, dims: ParallelDims,
             and not isinstance(getattr(model, "layers", None), nn.ModuleDict)):
         # One unit gathers the whole model for forward and backward: ZeRO-3 then saves
         # optimizer and gradient memory, but not the peak of the parameters.
-        fully_shard(model, mesh=mesh["dp_replicate", "dp_shard"], reshard_after_forward=dims.zero == 3)
+        shard_unit(model, mesh["dp_replicate", "dp_shard"], reshard_after_forward=dims.zero == 3)
         return model
     return dp.parallelize(model)
 

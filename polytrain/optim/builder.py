@@ -7,17 +7,25 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from polytrain.config import TrainConfig
+from polytrain.optim.lamb import Lamb
+from polytrain.optim.lars import Lars
+from polytrain.optim.trust import SquareSums
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Matrices (linear and embedding weights) decay; vectors (norm gains, biases) do not."""
+    """Matrices (linear and embedding weights) decay; vectors (norm gains, biases) do not.
+
+    `adapt`: whether LAMB/LARS scale the group's steps by per-tensor trust ratios. Both
+    papers exclude biases and norm gains (few elements, ||w|| near 0 or 1 says little
+    about the step they tolerate); other optimizers ignore the key.
+    """
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
     return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {"params": decay, "weight_decay": weight_decay, "adapt": True},
+        {"params": no_decay, "weight_decay": 0.0, "adapt": False},
     ]
 
 
@@ -25,8 +33,13 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     return make_optimizer(param_groups(model, cfg.weight_decay), cfg)
 
 
-def make_optimizer(groups: list[dict], cfg: TrainConfig) -> torch.optim.Optimizer:
+def make_optimizer(groups: list[dict], cfg: TrainConfig,
+                   square_sums: SquareSums | None = None) -> torch.optim.Optimizer:
     """The configured optimizer over prepared groups (e.g. ZeRO's master shards in `param_groups`' grouping).
+
+    `square_sums` (LAMB/LARS only) sums per-tensor squares over the ranks holding each
+    tensor's pieces; the default reads DTensor placements (see trust.py). ZeRO-1/2 pass
+    theirs, since their master shards are plain tensors.
 
     Over sharded (DTensor) parameters, e.g. FSDP2's, the update runs as foreach ops:
     each costs one DTensor dispatch for all tensors, where torch's per-tensor loop (its
@@ -38,6 +51,12 @@ def make_optimizer(groups: list[dict], cfg: TrainConfig) -> torch.optim.Optimize
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                  foreach=foreach)
+    if cfg.optimizer == "lamb":
+        return Lamb(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                    trust_clip=cfg.trust_clip, square_sums=square_sums)
+    if cfg.optimizer == "lars":
+        return Lars(groups, lr=cfg.lr, momentum=cfg.momentum, trust_clip=cfg.trust_clip,
+                    square_sums=square_sums)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=foreach)
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}")

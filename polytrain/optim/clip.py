@@ -54,7 +54,9 @@ def squared_norm_share(grads: list[torch.Tensor], stage_ranks: int, device: torc
         pieces = 1
         if isinstance(g, DTensor):
             mesh = g.device_mesh
-            pieces = math.prod(mesh.size(i) for i, p in enumerate(g.placements) if p.is_shard())
+            # Any non-replicated placement splits the tensor: FSDP2 over a tp-sharded weight
+            # uses _StridedShard, which is_shard() does not report.
+            pieces = math.prod(mesh.size(i) for i, p in enumerate(g.placements) if not p.is_replicate())
             g = g.to_local()
         total += torch.linalg.vector_norm(g.float()).square().to(device) * (pieces / stage_ranks)
     return total

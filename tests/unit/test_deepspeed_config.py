@@ -277,8 +277,9 @@ def test_sgd_keeps_deepspeeds_momentum():
         (
             {"type": "Lamb"},
             (
-                'optimizer.type = "Lamb" is not supported yet (LAMB is planned); '
-                "use Adam, AdamW or SGD"
+                'optimizer.type = "Lamb" is not mapped (DeepSpeed\'s Lamb also bounds trust '
+                "ratios from below by min_coeff; polytrain's does not); use Adam, AdamW or SGD "
+                "here, or drop the optimizer block and pass --train.optimizer lamb"
             ),
         ),
         ({"params": {"lr": 1e-3}}, "optimizer.type is required"),
