@@ -44,6 +44,12 @@ class Architecture:
     """ModelConfig fields this architecture sets before the user's TOML and overrides."""
     hf_model_types: tuple[str, ...] = ()
     """Hugging Face config.json model_type values `polytrain convert` maps to this architecture."""
+    tp_shares_kv_heads: bool = True
+    """Tensor parallelism may exceed n_kv_heads (each KV head then replicated on tp / n_kv_heads ranks)."""
+    embedding_units: tuple[str, ...] = ("tok_embeddings",)
+    """Top-level modules before the blocks: the first pipeline stage holds them all."""
+    head_units: tuple[str, ...] = ("norm", "output")
+    """Top-level modules after the blocks, in forward order: the last pipeline stage ends with them."""
 
     def build(self, cfg: ModelConfig) -> nn.Module:
         return importlib.import_module(self.module).build(cfg)
@@ -118,17 +124,23 @@ ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture(presets=LLAMA_PRESETS, module="polytrain.models.llama.model",
                           parallelize_module="polytrain.models.llama.parallelize", hf_model_types=("llama",)),
     "internlm2": Architecture(presets=INTERNLM2_PRESETS, module="polytrain.models.internlm2.model",
+                              parallelize_module="polytrain.models.internlm2.parallelize",
+                              tp_shares_kv_heads=False,  # wqkv splits by whole KV groups
                               defaults={"rope_theta": 1_000_000.0}, hf_model_types=("internlm2",)),
     "gpt2": Architecture(presets=GPT2_PRESETS, module="polytrain.models.gpt2.model", rope=False,
+                         parallelize_module="polytrain.models.gpt2.parallelize",
+                         embedding_units=("tok_embeddings", "pos_embeddings"),
                          gated=False, gqa=False, hf_model_types=("gpt2",),
                          defaults={"activation": "gelu_tanh", "gated_ffn": False, "tie_embeddings": True}),
     "bert": Architecture(presets=BERT_PRESETS, module="polytrain.models.bert.model", kind="encoder",
+                         parallelize_module="polytrain.models.bert.parallelize",
                          rope=False, gated=False, gqa=False, hf_model_types=("bert",),
                          defaults={"activation": "gelu", "gated_ffn": False, "tie_embeddings": True,
                                    "norm_eps": 1e-12}),
     # T5 v1.1 by default: gated GELU, untied output; v1.0 = activation relu, gated_ffn false,
     # tie_embeddings true, output_scale true.
     "t5": Architecture(presets=T5_PRESETS, module="polytrain.models.t5.model", kind="encoder-decoder",
+                       parallelize_module="polytrain.models.t5.parallelize",
                        rope=False, gated=None, gqa=False, hf_model_types=("t5",),
                        defaults={"activation": "gelu_tanh", "gated_ffn": True, "tie_embeddings": False,
                                  "norm_eps": 1e-6}),

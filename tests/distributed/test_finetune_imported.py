@@ -3,6 +3,8 @@ reproduces the single-process fine-tune: the weights-only checkpoint reshards li
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -15,18 +17,23 @@ from tests.multirank import run_ranks
 pytestmark = pytest.mark.slow
 
 
-def test_imported_model_fine_tunes_alike_at_every_layout(small_corpus, tmp_path):
-    hf = hf_models.gpt2(vocab_size=512)
+def fine_tune_imported_gpt2(corpus, tmp_path, tied: bool = True) -> tuple[Callable[..., list[str]], list[dict]]:
+    """Import a random HF GPT-2 and fine-tune it 4 steps on one process.
+
+    Returns overrides(name, *extra) for more runs from the same import, and the
+    single-process run's rows (checked to start far below a fresh model's loss).
+    """
+    hf = hf_models.gpt2(vocab_size=512, tie_word_embeddings=tied)
     with torch.no_grad():  # peaked logits: the imported model's loss is far from a fresh model's ln(512)
-        hf.transformer.wte.weight.mul_(20)
+        (hf.transformer.wte if tied else hf.lm_head).weight.mul_(20)
     imported = import_hf(hf_models.save(hf, tmp_path / "hf"), tmp_path / "run")
     step_0 = str(imported / "checkpoints" / "step_0")
 
     def overrides(name: str, *extra: str) -> list[str]:
-        args = tiny_overrides(small_corpus, tmp_path / name, run__steps=4, model__arch="gpt2",
+        args = tiny_overrides(corpus, tmp_path / name, run__steps=4, model__arch="gpt2",
                               model__dim=32, model__n_layers=2, model__n_heads=4, model__n_kv_heads=4,
                               model__ffn_dim=128, model__vocab_size=512, model__max_seq_len=64,
-                              data__seq_len=32, checkpoint__resume=step_0)
+                              model__tie_embeddings=tied, data__seq_len=32, checkpoint__resume=step_0)
         return args + list(extra)
 
     train(overrides("single"))
@@ -34,6 +41,11 @@ def test_imported_model_fine_tunes_alike_at_every_layout(small_corpus, tmp_path)
     fresh = overrides("fresh", "--checkpoint.resume", "none", "--run.steps", "1")
     train(fresh)
     assert train_rows(tmp_path / "fresh")[0]["loss"] < reference[0]["loss"] - 1.0
+    return overrides, reference
+
+
+def test_imported_model_fine_tunes_alike_at_every_layout(small_corpus, tmp_path):
+    overrides, reference = fine_tune_imported_gpt2(small_corpus, tmp_path)
     layouts = {"zero3": ["--parallel.zero", "3"], "zero2": ["--parallel.zero", "2"]}
     run_ranks(2, _train_layouts, [overrides(name, *extra) for name, extra in layouts.items()])
     for name in layouts:

@@ -55,6 +55,9 @@ def dims(world: int, *args: str) -> ParallelDims:
      "model.tie_embeddings with parallel.tp_mode = '2d' must be false"),
     (16, ["--parallel.tp", "8", "--parallel.tp_mode", "3d"],
      "parallel.dp with parallel.tp_mode = '3d' must be 1 (or tp_mode '2d')"),
+    (4, ["--parallel.tp", "4", "--parallel.tp_mode", "2d", "--model.arch", "gpt2"],
+     "parallel.tp_mode = '2d' has layers for model.arch = 'llama' only; model.arch = 'gpt2' runs with "
+     "parallel.tp_mode = '1d'"),
 ])
 def test_tensor_parallel_misfits(world, args, message):
     with pytest.raises(ConfigError) as err:

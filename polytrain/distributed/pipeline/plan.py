@@ -2,12 +2,15 @@
 
 The model is the sequence of units
 
-    tok_embeddings, layers.0, ..., layers.<n-1>, norm, output
+    <embedding units>, layers.0, ..., layers.<n-1>, <head units>
 
-and a pipeline of S stages cuts it into S contiguous pieces: the first stage
-starts with the embedding, the last ends with the final norm, the output head
-(and, in the schedule, the loss). `parallel.pp_split` names the units that start
-stages 2..S ("layers.2,layers.4"); empty balances the blocks by count.
+(for Llama: tok_embeddings, the blocks, norm, output; GPT-2 adds pos_embeddings to the
+embedding units, as its Architecture entry says) and a pipeline of S stages cuts it
+into S contiguous pieces: the first stage starts with the embedding units, the last
+ends with the final norm, the output head (and, in the schedule, the loss).
+`parallel.pp_split` names the units that start stages 2..S ("layers.2,layers.4");
+empty balances the blocks by count. Only decoders (the causal LM objective, which the
+schedule's loss computes from the data's targets directly) run as pipelines.
 
 Stages per rank: one for gpipe / 1f1b; `pp_virtual_stages` for interleaved and
 zero_bubble. Interleaved places them looped (rank r holds stages r, r + pp, ...);
@@ -31,9 +34,14 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 MULTI_STAGE_SCHEDULES = ("interleaved", "zero_bubble")
 
 
-def model_units(n_layers: int) -> list[str]:
+EMBEDDING_UNITS = ("tok_embeddings",)
+HEAD_UNITS = ("norm", "output")
+
+
+def model_units(n_layers: int, embedding: tuple[str, ...] = EMBEDDING_UNITS,
+                head: tuple[str, ...] = HEAD_UNITS) -> list[str]:
     """The top-level modules of a decoder in forward order (the names stages are cut at)."""
-    return ["tok_embeddings", *(f"layers.{i}" for i in range(n_layers)), "norm", "output"]
+    return [*embedding, *(f"layers.{i}" for i in range(n_layers)), *head]
 
 
 @dataclass(frozen=True)
@@ -78,20 +86,29 @@ def plan_from_config(cfg: Config, dp: int) -> PipelinePlan | None:
     if p.zero in (1, 2):
         raise ConfigError(f"parallel.zero = {p.zero} does not compose with parallel.pp > 1 yet; "
                           f"use parallel.zero = 0 (replicas) or 3 (sharded parameters)")
+    from polytrain.models import ARCHITECTURES
+
+    arch = ARCHITECTURES[cfg.model.arch]
+    if arch.kind != "decoder":
+        raise ConfigError(f"parallel.pp > 1 runs decoders only (the causal LM objective); model.arch = "
+                          f"'{cfg.model.arch}' is an {arch.kind} model: set parallel.pp = 1 and use "
+                          f"parallel.tp / parallel.dp")
     if cfg.model.tie_embeddings:
         raise ConfigError("model.tie_embeddings = true shares one weight between the first and the last "
                           "pipeline stage, which parallel.pp > 1 does not support; set it to false")
     local = t.global_batch_size // (t.micro_batch_size * dp)
     return plan_pipeline(p.pp, p.pp_schedule, p.pp_virtual_stages, p.pp_split, cfg.model.n_layers,
-                         p.pp_microbatches, local)
+                         p.pp_microbatches, local, arch.embedding_units, arch.head_units)
 
 
 def plan_pipeline(pp: int, schedule: str, virtual_stages: int, split: str, n_layers: int,
-                  microbatches: int, local_batches: int) -> PipelinePlan:
+                  microbatches: int, local_batches: int, embedding: tuple[str, ...] = EMBEDDING_UNITS,
+                  head: tuple[str, ...] = HEAD_UNITS) -> PipelinePlan:
     """Check the pipeline keys against the model and batch; ConfigError names the key and the fix.
 
     `local_batches` is the number of micro-batches each data-parallel rank runs per
     optimizer step; `microbatches` is parallel.pp_microbatches (0 = all of them at once).
+    `embedding` and `head`: the model's units before and after its blocks.
     """
     if schedule not in SCHEDULES:
         raise ConfigError(f"parallel.pp_schedule = '{schedule}' is not one of {', '.join(SCHEDULES)}")
@@ -103,7 +120,7 @@ def plan_pipeline(pp: int, schedule: str, virtual_stages: int, split: str, n_lay
         raise ConfigError(f"parallel.pp_schedule = '{schedule}' needs parallel.pp_virtual_stages >= 2 "
                           f"(got {virtual_stages}); with one stage per rank use '1f1b'")
     num_stages = pp * per_rank
-    stages = _split_stages(split, num_stages, n_layers, pp, per_rank)
+    stages = _split_stages(split, num_stages, model_units(n_layers, embedding, head), pp, per_rank)
     m = microbatches or local_batches
     if local_batches % m:
         raise ConfigError(
@@ -114,9 +131,10 @@ def plan_pipeline(pp: int, schedule: str, virtual_stages: int, split: str, n_lay
     return PipelinePlan(pp=pp, schedule=schedule, stages=stages, microbatches=m, runs=local_batches // m)
 
 
-def _split_stages(split: str, num_stages: int, n_layers: int, pp: int,
+def _split_stages(split: str, num_stages: int, units: list[str], pp: int,
                   per_rank: int) -> tuple[tuple[str, ...], ...]:
-    units = model_units(n_layers)
+    first = units.index("layers.0")  # the embedding units all stay on the first stage
+    n_layers = sum(u.startswith("layers.") for u in units)
     if not split:
         if num_stages > n_layers:
             what = f"parallel.pp = {pp}" + (f" x parallel.pp_virtual_stages = {per_rank}" if per_rank > 1 else "")
@@ -129,20 +147,20 @@ def _split_stages(split: str, num_stages: int, n_layers: int, pp: int,
         starts, layer = [], 0
         for s in range(1, num_stages):
             layer += base + (1 if s - 1 < extra else 0)
-            starts.append(1 + layer)  # unit index of layers.<layer>
+            starts.append(first + layer)  # unit index of layers.<layer>
     else:
         names = [n.strip() for n in split.split(",")]
         if len(names) != num_stages - 1:
             raise ConfigError(
                 f"parallel.pp_split names {len(names)} cut(s) but {num_stages} stages need {num_stages - 1} "
                 f"(the units that start stages 2..{num_stages}), e.g. "
-                f"'{','.join(units[1 + (i + 1) * n_layers // num_stages] for i in range(num_stages - 1))}'")
+                f"'{','.join(units[first + (i + 1) * n_layers // num_stages] for i in range(num_stages - 1))}'")
         position = {name: i for i, name in enumerate(units)}
         for name in names:
-            if name not in position or name == units[0]:
+            if position.get(name, -1) < first:
                 raise ConfigError(
                     f"parallel.pp_split: '{name}' is not a module a stage can start at; "
-                    f"use one of layers.0..layers.{n_layers - 1}, norm, output")
+                    f"use one of layers.0..layers.{n_layers - 1}, {', '.join(units[first + n_layers:])}")
         starts = [position[n] for n in names]
         if any(b <= a for a, b in zip(starts, starts[1:])):
             raise ConfigError(f"parallel.pp_split = '{split}' must name modules in forward order, each once")

@@ -26,21 +26,23 @@ def split_model(model: nn.Module, plan: PipelinePlan, pp_rank: int) -> nn.Module
     The ModuleDict only groups them; each value is run on its own by the schedule.
     """
     stages = nn.ModuleDict()
+    units = [unit for stage in plan.stages for unit in stage]
     for index in plan.stages_of_rank(pp_rank):
-        stages[str(index)] = prune(model, plan.stages[index])
+        stages[str(index)] = prune(model, plan.stages[index], units)
     return stages
 
 
-def prune(model: nn.Module, keep: tuple[str, ...]) -> nn.Module:
-    """A copy of `model` that holds only the units in `keep` (top-level modules or `layers.<i>`)."""
+def prune(model: nn.Module, keep: tuple[str, ...], units: list[str]) -> nn.Module:
+    """A copy of `model` that holds only the units in `keep` of all its `units` (top-level
+    modules, set to None when dropped, or `layers.<i>`, deleted)."""
     # Deep-copying a meta model copies no data; it is only module objects.
     stage = copy.deepcopy(model)
     wanted = set(keep)
     for name in [f"layers.{i}" for i in stage.layers]:
         if name not in wanted:
             del stage.layers[name.split(".", 1)[1]]
-    for name in ("tok_embeddings", "norm", "output"):
-        if name not in wanted:
+    for name in units:
+        if not name.startswith("layers.") and name not in wanted:
             setattr(stage, name, None)
     return stage
 

@@ -16,10 +16,12 @@ from polytrain.distributed.tensor_parallel.cross_entropy import (
 )
 from polytrain.distributed.tensor_parallel.plan import (
     Column,
+    ColumnTable,
     Context,
     Norm,
     Plan,
     Region,
+    ResidualTable,
     Root,
     Row,
     VocabEmbedding,
@@ -28,6 +30,7 @@ from polytrain.distributed.tensor_parallel.plan import (
 )
 
 __all__ = [
-    "Column", "Context", "Norm", "Plan", "Region", "Root", "Row", "TPContext", "VocabEmbedding", "VocabHead",
+    "Column", "ColumnTable", "Context", "Norm", "Plan", "Region", "ResidualTable", "Root", "Row",
+    "TPContext", "VocabEmbedding", "VocabHead",
     "parallelize_tp", "shard_range", "shard_sizes", "vocab_parallel_cross_entropy", "vocab_parallel_loss",
 ]

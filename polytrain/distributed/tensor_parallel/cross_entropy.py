@@ -8,6 +8,10 @@ The max is all-reduced (MAX) over tp; the local sums of exp and the target's shi
 logit (found on exactly one rank, zero on the others) are all-reduced (SUM) together.
 Backward needs no communication: d loss / d z_v = softmax_v - [v == target], and each
 rank holds its own rows of the softmax. Every rank ends with the same loss.
+
+Targets of -100 (IGNORE, F.cross_entropy's ignore_index: BERT's unmasked positions,
+T5's padding) are not scored: the mean runs over the scored tokens only, as
+F.cross_entropy's does, and their logits get no gradient.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from polytrain.distributed.collectives import all_reduce
 from polytrain.distributed.tensor_parallel.context import shard_range
+
+IGNORE = -100
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -59,9 +65,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
                                  group) -> torch.Tensor:
-    """Mean cross-entropy of local logits (B, T, V_local), rows from `vocab_start`, and targets (B, T)."""
-    losses = _VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), targets.flatten(), vocab_start, group)
-    return losses.mean()
+    """Mean cross-entropy of local logits (B, T, V_local), rows from `vocab_start`, and targets (B, T),
+    over the tokens whose target is not IGNORE (NaN when none is, as F.cross_entropy)."""
+    targets = targets.flatten()
+    losses = _VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), targets, vocab_start, group)  # (N,)
+    scored = targets != IGNORE
+    return torch.where(scored, losses, 0.0).sum() / scored.sum()
 
 
 def vocab_parallel_loss(mesh: DeviceMesh, vocab_size: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -7,10 +7,12 @@ TPContext (enter / leave a region), which DTensor would otherwise insert one op 
     role             weight placement        input -> output (per rank)
     vocab_embedding  (V, D) Shard(0)         tokens (B, T) -> (B, T, D), or (B, T/tp, D) under SP
     norm             Replicate               (B, T, D) -> same; under SP (B, T/tp, D), gain grads summed over tp
+    residual_table   (N, D) Replicate        ids (T,) or (B, T) -> (.., T, D); under SP this rank's (.., T/tp, D)
+    column_table     (N, E) Shard(1)         ids -> (..., E/tp): a per-head table (T5's position bias)
     region           (none: wraps a module)  its input enters the region: copy, or all-gather under SP
     column           (out, in) Shard(0)      (B, T, in) -> (B, T, out/tp)
     row              (out, in) Shard(1)      (B, T, in/tp) -> (B, T, out) summed, or (B, T/tp, out) under SP
-    vocab_head       (V, D) Shard(0)         (B, T, D) or (B, T/tp, D) -> logits (B, T, V/tp)
+    vocab_head       (V, D), bias Shard(0)   (B, T, D) or (B, T/tp, D) -> logits (B, T, V/tp)
     root             (none: wraps the model) per-forward switches and the residual dropout stream
 
 A vocabulary that tp does not divide is split unevenly (torch.chunk sizes, see
@@ -130,22 +132,23 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelHead(nn.Module):
-    """Output projection with the vocabulary split over tp: weight (V, D) Shard(0), no bias.
+    """Output projection with the vocabulary split over tp: weight (V, D) and bias (V,) Shard(0).
 
     Returns this rank's logits (B, T, V/tp): the full (B, T, V) never exists during
     training; the vocabulary-parallel cross-entropy works on the shards. While decoding
-    (ctx.full_logits) it gathers them, since sampling needs every token's logit.
+    (ctx.full_logits) it gathers them, since sampling needs every token's logit. A bias
+    (BERT's per-token output bias) belongs to its vocabulary rows, so it is split with them.
     """
 
     def __init__(self, linear: nn.Linear, ctx: TPContext):
         super().__init__()
-        if linear.bias is not None:
-            raise ValueError("vocabulary-parallel head has no bias")
         self.in_features, self.out_features, self.ctx = linear.in_features, linear.out_features, ctx
         self.weight = ctx.distribute(linear.weight, [Shard(0)])  # the embedding's, when tied
+        self.bias = ctx.distribute(linear.bias, [Shard(0)]) if linear.bias is not None else None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(self.ctx.enter(h), self.weight.to_local())  # (B, T, V/tp)
+        bias = self.bias.to_local() if self.bias is not None else None
+        logits = F.linear(self.ctx.enter(h), self.weight.to_local(), bias)  # (B, T, V/tp)
         if self.ctx.full_logits:
             logits = gather_from_tp(logits, -1, shard_sizes(self.out_features, self.ctx.size), self.ctx.group)
         return logits
@@ -180,16 +183,59 @@ def norm(module: nn.Module, ctx: TPContext) -> nn.Module:
     return module
 
 
-def region(module: nn.Module, ctx: TPContext, sharded_methods: tuple[str, ...] = ()) -> nn.Module:
-    """The module's first input enters the tensor-parallel region, once for all its column layers.
+def residual_table(module: nn.Module, ctx: TPContext) -> nn.Module:
+    """Replicated lookup table (nn.Embedding) whose rows join the residual stream per token, in place.
+
+    Learned positions (T,) -> (T, D) and segment ids (B, T) -> (B, T, D) are added to the
+    token embedding, which under SP is this rank's (B, T/tp, D): the table's output is cut
+    to the same tokens along its sequence dimension (-2), and its gradient, then partial
+    on each rank, is summed over tp (Norm's rule).
+    """
+    module = norm(module, ctx)
+    inner = module.forward
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        rows = inner(ids)  # (..., T, D)
+        if not ctx.sp_active:
+            return rows
+        ctx._check_divisible(rows.shape[-2])
+        return rows.chunk(ctx.size, dim=-2)[ctx.rank]  # (..., T/tp, D): this rank's tokens
+
+    module.forward = forward
+    return module
+
+
+def column_table(module: nn.Module, ctx: TPContext) -> nn.Module:
+    """Lookup table (nn.Embedding) with its columns split over tp, in place: weight (N, E) Shard(1).
+
+    T5's relative-position bias (buckets, heads): each rank looks up its own heads' biases,
+    (T, S) -> (T, S, H/tp), the heads its attention computes. Its ids do not come from the
+    residual stream and each rank's gradient is complete for its columns: no communication.
+    """
+    if module.weight.shape[1] % ctx.size:
+        raise ValueError(f"column-split table: {module.weight.shape[1]} columns cannot be split over tp = {ctx.size}")
+    module.weight = ctx.distribute(module.weight, [Shard(1)])
+    inner = module.forward
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        with _local_parameters(module, {"weight": module.weight.to_local()}):
+            return inner(ids)
+
+    module.forward = forward
+    return module
+
+
+def region(module: nn.Module, ctx: TPContext, sharded_methods: tuple[str, ...] = (), inputs: int = 1) -> nn.Module:
+    """The module's first `inputs` positional inputs enter the tensor-parallel region, once for
+    all its column layers (cross-attention: the queries' states and the encoder's memory).
 
     `sharded_methods` compute on this rank's shard only (attention's `core` on its heads):
     their dropout draws from the per-rank stream.
     """
     inner = module.forward
 
-    def forward(x, *args, **kwargs):
-        return inner(ctx.enter(x), *args, **kwargs)
+    def forward(*args, **kwargs):
+        return inner(*(ctx.enter(a) for a in args[:inputs]), *args[inputs:], **kwargs)
 
     module.forward = forward
     for name in sharded_methods:

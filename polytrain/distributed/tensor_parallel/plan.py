@@ -77,15 +77,32 @@ class Norm(Style):
 
 
 @dataclass(frozen=True)
+class ResidualTable(Style):
+    """Replicated lookup table added to the residual stream per token (learned positions,
+    segments); under SP each rank keeps its own tokens' rows."""
+
+    role: ClassVar[str] = "residual_table"
+
+
+@dataclass(frozen=True)
+class ColumnTable(Style):
+    """Lookup table with its columns split (a per-head bias table, split like the heads)."""
+
+    role: ClassVar[str] = "column_table"
+
+
+@dataclass(frozen=True)
 class Region(Style):
     """A module whose input enters the tensor-parallel region (attention, MLP).
 
     `sharded_methods`: its methods that compute on this rank's shard only (e.g. the
-    attention core on local heads), whose dropout must differ across ranks.
+    attention core on local heads), whose dropout must differ across ranks. `inputs`:
+    how many leading positional arguments enter (2 for cross-attention's memory).
     """
 
     role: ClassVar[str] = "region"
     sharded_methods: tuple[str, ...] = ()
+    inputs: int = 1
 
 
 @dataclass(frozen=True)
@@ -111,7 +128,7 @@ class Row(Style):
 
 @dataclass(frozen=True)
 class VocabHead(Style):
-    """Output projection, rows split by vocabulary; logits stay split for the loss."""
+    """Output projection, rows (and bias) split by vocabulary; logits stay split for the loss."""
 
     role: ClassVar[str] = "vocab_head"
 
@@ -141,7 +158,9 @@ ONE_D: dict[str, Implementation] = {
     "root": lambda m, s, ctx: one_d.root(m, ctx, s.cache_argument),
     "vocab_embedding": lambda m, s, ctx: one_d.VocabParallelEmbedding(m, ctx),
     "norm": lambda m, s, ctx: one_d.norm(m, ctx),
-    "region": lambda m, s, ctx: one_d.region(m, ctx, s.sharded_methods),
+    "residual_table": lambda m, s, ctx: one_d.residual_table(m, ctx),
+    "column_table": lambda m, s, ctx: one_d.column_table(m, ctx),
+    "region": lambda m, s, ctx: one_d.region(m, ctx, s.sharded_methods, s.inputs),
     "column": lambda m, s, ctx: one_d.ColumnParallelLinear(m, ctx, s.unit, s.shared_units),
     "row": lambda m, s, ctx: one_d.RowParallelLinear(m, ctx),
     "vocab_head": lambda m, s, ctx: one_d.VocabParallelHead(m, ctx),

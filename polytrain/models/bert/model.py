@@ -30,9 +30,10 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.attention = Attention(cfg.dim, cfg.n_heads, cfg.n_heads, layer_id, head_dim=cfg.head_dim or None,
-                                   bias=True, causal=False)
+                                   bias=True, causal=False, dropout=cfg.dropout)
         self.attention_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim, cfg.activation, gated=False, bias=True)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim, cfg.activation, gated=False, bias=True,
+                                        dropout=cfg.dropout)
         self.ffn_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -59,6 +60,7 @@ class Bert(ModelBase):
         self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.dim)
         self.type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.dim)
         self.embed_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.dropout = nn.Dropout(cfg.dropout)  # after the embeddings' LayerNorm, as BERT's
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.head_dense = nn.Linear(cfg.dim, cfg.dim)
         self.head_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
@@ -84,7 +86,7 @@ class Bert(ModelBase):
                 token_types = torch.zeros_like(tokens)
             positions = torch.arange(T, device=tokens.device)  # (T,)
             h = self.tok_embeddings(tokens) + self.type_embeddings(token_types) + self.pos_embeddings(positions)
-            h = self.embed_norm(h)  # (B, T, dim)
+            h = self.dropout(self.embed_norm(h))  # (B, T, dim)
         else:
             h = tokens
         mask = None

@@ -31,9 +31,10 @@ class Block(nn.Module):
         super().__init__()
         self.attention_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg.dim, cfg.n_heads, cfg.n_heads, layer_id, head_dim=cfg.head_dim or None,
-                                   bias=True)
+                                   bias=True, dropout=cfg.dropout)
         self.ffn_norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim, cfg.activation, gated=False, bias=True)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim, cfg.activation, gated=False, bias=True,
+                                        dropout=cfg.dropout)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -57,6 +58,7 @@ class GPT2(ModelBase):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.dim)
+        self.dropout = nn.Dropout(cfg.dropout)  # on the summed embeddings, as GPT-2's embd_pdrop
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
@@ -79,7 +81,7 @@ class GPT2(ModelBase):
             positions = cache.positions(start_pos, T, device) if cache is not None else None
             if positions is None:
                 positions = torch.arange(start_pos, start_pos + T, device=device)  # (T,)
-            h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)  # (B, T, dim)
+            h = self.dropout(self.tok_embeddings(tokens) + self.pos_embeddings(positions))  # (B, T, dim)
         else:
             h = tokens
         mask = cache.attn_mask(start_pos, T, h.device) if cache is not None else None

@@ -32,7 +32,8 @@ class PackedAttention(Attention):
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         self.n_rep = cfg.n_heads // cfg.n_kv_heads  # query heads per key/value head
-        super().__init__(cfg.dim, cfg.n_heads, cfg.n_kv_heads, layer_id, head_dim=head_dim(cfg))
+        super().__init__(cfg.dim, cfg.n_heads, cfg.n_kv_heads, layer_id, head_dim=head_dim(cfg),
+                         dropout=cfg.dropout)
 
     def _projections(self, dim: int, n_heads: int, n_kv_heads: int, bias: bool) -> None:
         self.wqkv = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=bias)

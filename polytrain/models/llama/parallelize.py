@@ -11,84 +11,54 @@ the sequences of the micro-batch.
 
 from __future__ import annotations
 
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from polytrain.backend import get_accelerator
 from polytrain.config import ModelConfig
-from polytrain.distributed.rng import DropoutRNG
 from polytrain.distributed.tensor_parallel import (
-    Column,
     Context,
     Norm,
     Plan,
-    Region,
     Root,
-    Row,
     TPContext,
     VocabEmbedding,
     VocabHead,
-    parallelize_tp,
+)
+from polytrain.distributed.tensor_parallel.apply import (
+    attention_roles,
+    feed_forward_roles,
+    parallelize_model,
 )
 from polytrain.distributed.topology import ParallelDims
+from polytrain.models.common.base import head_dim
 
 
 def tp_plan(cfg: ModelConfig) -> Plan:
     """Module-name patterns of a Llama -> their tensor-parallel roles."""
-    head_dim = cfg.dim // cfg.n_heads
     return {
         "": Root(),
         "tok_embeddings": VocabEmbedding(),
         "layers.*.attention_norm": Norm(),
-        "layers.*.attention": Region(sharded_methods=("core",)),  # core: softmax(q k^T) v on local heads
-        "layers.*.attention.wq": Column(unit=head_dim),
-        "layers.*.attention.wk": Column(unit=head_dim, shared_units=True),  # tp > n_kv_heads shares KV heads
-        "layers.*.attention.wv": Column(unit=head_dim, shared_units=True),
-        "layers.*.attention.wo": Row(),
+        # tp > n_kv_heads replicates each KV head on tp / n_kv_heads ranks
+        **attention_roles("layers.*.attention", head_dim(cfg), shared_kv=True),
         "layers.*.ffn_norm": Norm(),
-        "layers.*.feed_forward": Region(),
-        "layers.*.feed_forward.w1": Column(),
-        "layers.*.feed_forward.w3": Column(),
-        "layers.*.feed_forward.w2": Row(),
+        **feed_forward_roles("layers.*.feed_forward"),
         "norm": Norm(),
         "output": VocabHead(),
     }
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None) -> Context | None:
+def parallelize(model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None,
+                plan: Plan | None = None) -> Context | None:
     """Tensor/sequence parallelism over the tp mesh (axis or grid) and dropout streams, in place;
     before data parallelism.
 
-    Returns the layers' shared context, or None when tp = 1. With dropout and more than
-    one rank, every layout gets per-rank dropout streams (independent across data-parallel
-    ranks, shared or not across tp ranks as the activations are).
+    Returns the layers' shared context, or None when tp = 1. `plan`: a subclass's (InternLM2's).
     """
-    cfg: ModelConfig = model.cfg
-    dropout = None
-    if cfg.dropout > 0 and mesh is not None:
-        dropout = DropoutRNG(get_accelerator(), dims.coordinates(dist.get_rank()))
-    if dims.tp == 1:
-        if dropout is not None:
-            _fork_residual_stream(model, dropout)
-        return None
-    ctx = parallelize_tp(model, tp_plan(cfg), dims.tp_mesh(mesh), dims.sp, dims.tp_mode, dropout)
-    if dims.sp and model.tok_embeddings is None:
+    ctx = parallelize_model(model, plan or tp_plan(model.cfg), dims, mesh)
+    if ctx is not None and dims.sp and model.tok_embeddings is None:
         _rope_for_whole_sequence(model, ctx)
     return ctx
-
-
-def _fork_residual_stream(model: nn.Module, dropout: DropoutRNG) -> None:
-    """Without tp, every activation is this rank's own: one per-rank stream for the whole forward."""
-    inner = model.forward
-
-    def forward(*args, **kwargs):
-        if not model.training:
-            return inner(*args, **kwargs)
-        with dropout.fork(sharded=True):
-            return inner(*args, **kwargs)
-
-    model.forward = forward
 
 
 def _rope_for_whole_sequence(model: nn.Module, ctx: TPContext) -> None:

@@ -76,7 +76,7 @@ class CrossAttention(Attention):
 
         k, v = cache.fixed(self.layer_id, keys_values) if cache is not None else keys_values()
         out = self.core(q, *repeat_kv(q, k, v), mask)
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+        return self.resid_dropout(self.wo(out.transpose(1, 2).reshape(B, T, -1)))
 
 
 class Block(nn.Module):
@@ -87,12 +87,15 @@ class Block(nn.Module):
         hd, H = head_dim(cfg), cfg.n_heads
         self.decoder = decoder
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg.dim, H, H, layer_id, head_dim=hd, causal=decoder, scale=1.0)
+        self.attention = Attention(cfg.dim, H, H, layer_id, head_dim=hd, causal=decoder, scale=1.0,
+                                   dropout=cfg.dropout)
         if decoder:
             self.cross_attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-            self.cross_attention = CrossAttention(cfg.dim, H, H, layer_id, head_dim=hd, causal=False, scale=1.0)
+            self.cross_attention = CrossAttention(cfg.dim, H, H, layer_id, head_dim=hd, causal=False, scale=1.0,
+                                                  dropout=cfg.dropout)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim, cfg.activation, gated=cfg.gated_ffn)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim, cfg.activation, gated=cfg.gated_ffn,
+                                        dropout=cfg.dropout)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor, memory: torch.Tensor | None = None,
                 memory_mask: torch.Tensor | None = None, cache: KVCache | None = None,
@@ -120,6 +123,8 @@ class T5(ModelBase):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.encoder_pos_bias = nn.Embedding(cfg.rel_pos_buckets, cfg.n_heads)
         self.decoder_pos_bias = nn.Embedding(cfg.rel_pos_buckets, cfg.n_heads)
+        # HF T5's placement: after each stack's embedding and after its final norm.
+        self.dropout = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i, decoder=i >= self.n_encoder)
                                      for i in range(self.n_encoder + n_decoder)})
         self.encoder_norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -138,13 +143,13 @@ class T5(ModelBase):
     def encode(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, S) -> encoder output (B, S, dim); padding (attention_mask 0) is never attended to."""
         S = tokens.shape[1]
-        h = self.tok_embeddings(tokens)  # (B, S, dim)
+        h = self.dropout(self.tok_embeddings(tokens))  # (B, S, dim)
         bias = self._position_bias(self.encoder_pos_bias, 0, S, bidirectional=True, device=h.device)
         if attention_mask is not None:
             bias = bias + self._padding(attention_mask)  # (B, H, S, S)
         for block in self._blocks(decoder=False):
             h = block(h, bias)
-        return self.encoder_norm(h)
+        return self.dropout(self.encoder_norm(h))
 
     def decode(self, decoder_tokens: torch.Tensor, memory: torch.Tensor,
                attention_mask: torch.Tensor | None = None, cache: KVCache | None = None,
@@ -156,7 +161,7 @@ class T5(ModelBase):
         """
         T = decoder_tokens.shape[1]
         end = start_pos + T
-        h = self.tok_embeddings(decoder_tokens)  # (B, T, dim)
+        h = self.dropout(self.tok_embeddings(decoder_tokens))  # (B, T, dim)
         bias = self._position_bias(self.decoder_pos_bias, start_pos, T, bidirectional=False, device=h.device)
         q_pos = torch.arange(start_pos, end, device=h.device)[:, None]
         future = torch.arange(end, device=h.device)[None, :] > q_pos  # (T, end): keys after the query
@@ -164,7 +169,7 @@ class T5(ModelBase):
         memory_mask = self._padding(attention_mask) if attention_mask is not None else None
         for block in self._blocks(decoder=True):
             h = block(h, bias, memory, memory_mask, cache, start_pos)
-        h = self.decoder_norm(h)
+        h = self.dropout(self.decoder_norm(h))
         if self.cfg.output_scale:
             h = h * self.cfg.dim ** -0.5  # T5 v1.0 rescales before its tied output projection
         return self.output(h)
