@@ -174,6 +174,9 @@ class TrainConfig:
     """Pre-training objective: causal (decoders), mlm (bert), span corruption (t5); auto = the architecture's."""
     activation_checkpoint: str = _choices("none", "full", "selective")
     """Recompute activations in backward to save memory: full = each block, selective = the attention core."""
+    chunked_loss: bool = True
+    """Output projection + cross-entropy a chunk of tokens at a time, never holding (tokens, vocab) logits
+    (without tp and pp; tp's vocabulary-parallel loss splits the logits already); false = the plain path."""
 
 
 @dataclass

@@ -36,6 +36,7 @@ from polytrain.inference.generate import generate
 from polytrain.models import ARCHITECTURES
 from polytrain.optim.schedule import set_lr
 from polytrain.train.checkpoint import Checkpointer, TrainerState, check_checkpoint, latest_checkpoint
+from polytrain.train.chunked_loss import LossHead
 from polytrain.train.metrics import MetricsLogger, plot_loss
 from polytrain.train.precision import LossScaler, check_fp16_autocast
 from polytrain.train.progress import ProgressBar
@@ -71,6 +72,7 @@ class Trainer:
                                "fp16": torch.float16}[cfg.train.precision]
         self.pipeline: PipelineRunner | None = None  # set by _build_model when parallel.pp > 1
         self.tp_ctx: Context | None = None  # set by _build_model when parallel.tp > 1
+        self.loss_head: LossHead | None = None  # set by _build_model (train.chunked_loss)
         self.model = self._build_model()
         # Under tp the model returns vocabulary-split logits: (B, T, V/tp) in 1d, a grid
         # block of sequences and vocabulary otherwise; the context knows which.
@@ -143,6 +145,10 @@ class Trainer:
         plan = plan_from_config(cfg, dims.dp)
         pp_rank = self.mesh["pp"].get_local_rank() if plan else 0
         stages = split_model(model, plan, pp_rank) if plan else {"": model}
+        # The loss head replaces the output Linear (same parameters) where one rank holds
+        # the whole head: not under tp (vocabulary-split logits) nor pp (the schedule's loss).
+        if cfg.train.chunked_loss and not plan and dims.tp == 1:
+            self.loss_head = model.output = LossHead.replacing(model.output)
         for stage in stages.values():
             self.tp_ctx = arch.parallelize(stage, dims, self.mesh)  # tp/sp, dropout streams; None on one rank
             apply_activation_checkpointing(stage, cfg.train.activation_checkpoint)
@@ -219,6 +225,9 @@ class Trainer:
         args, targets = self.objective.batch(inputs, targets, indices)  # model inputs; -100 = not scored
         args = [a.to(self.device, non_blocking=True) for a in args]
         targets = targets.to(self.device, non_blocking=True)
+        if self.loss_head is not None:
+            with self.acc.autocast(self.autocast_dtype), self.loss_head.scoring(targets):
+                return self.model(*args)  # the head returns the mean loss, no (B, T', V) logits
         with self.acc.autocast(self.autocast_dtype):
             logits = self.model(*args)  # (B, T', V)
         return self.loss_fn(logits, targets)
