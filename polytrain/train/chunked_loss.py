@@ -29,6 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+GRAD_SCALE = 1024.0
+"""Power of two the logits' gradient is scaled by for its low-precision matmuls (exact to undo)."""
 MIN_CHUNK_TOKENS = 256
 """Fewest tokens per chunk: below this the matmuls get too thin to run at full speed."""
 
@@ -66,21 +68,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
             total += ((lse - logits.gather(1, t).squeeze(1)) * keep).sum()
             if not (want_h or want_w or want_b):
                 continue
-            # d(summed loss) / d logits = softmax - one_hot(target), 0 on unscored rows: values
-            # in [-1, 1] that fp16 holds; the 1 / count of the mean is applied in fp32 after.
+            # d(summed loss) / d logits = softmax - one_hot(target), 0 on unscored rows, in
+            # [-1, 1]; times GRAD_SCALE so small probabilities stay normal numbers in fp16
+            # (a 32K vocabulary's are ~3e-5). 1 / (count x GRAD_SCALE) is applied in fp32 after.
             grad = logits.sub_(lse[:, None]).exp_()
             grad.scatter_add_(1, t, torch.full_like(t, -1, dtype=grad.dtype))
-            grad.mul_(keep[:, None])
+            grad.mul_(keep[:, None] * GRAD_SCALE)
             if want_b:
                 grad_b += grad.sum(0)
             grad = grad.to(low.dtype)  # the gradient matmuls run in the forward's dtype
             if want_h:
-                grad_h[rows] = (grad @ weight.to(low.dtype)).float().div_(count)
+                grad_h[rows] = (grad @ weight.to(low.dtype)).float().div_(count * GRAD_SCALE)
             if want_w:
                 grad_w += (grad.t() @ h.to(low.dtype)).float()
         for summed in (grad_w, grad_b):
             if summed is not None:
-                summed.div_(count)
+                summed.div_(count * GRAD_SCALE)
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         ctx.param_dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         return total / count
