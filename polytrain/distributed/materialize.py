@@ -29,7 +29,11 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
         full = full.to(device=device, dtype=param.dtype)
         if isinstance(param, DTensor):
             # src_data_rank=None: every rank holds the same full tensor, so each
-            # slices out its own shard locally instead of receiving it.
-            full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-        param.copy_(full)
+            # slices out its own shard locally instead of receiving it. The copy is
+            # between local tensors: a DTensor copy_ would propagate shardings first,
+            # which takes long on meshes of 3-4 axes.
+            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(local.to_local())
+        else:
+            param.copy_(full)
     model.init_buffers()

@@ -45,9 +45,12 @@ def make_optimizer(groups: list[dict], cfg: TrainConfig,
     each costs one DTensor dispatch for all tensors, where torch's per-tensor loop (its
     choice on a CPU) pays one per tensor and op, as much as the arithmetic itself on a
     small model. The math is the same elementwise; plain tensors keep torch's choice.
+    Not on meshes of more than two axes (a 2d tp grid x dp): there DTensor's first
+    foreach dispatch enumerates every placement combination across the tensors, which
+    takes minutes, where the per-tensor ops' propagation is quick and cached.
     """
-    sharded = any(isinstance(p, DTensor) for g in groups for p in g["params"])
-    foreach = True if sharded else None
+    meshes = [p.device_mesh.ndim for g in groups for p in g["params"] if isinstance(p, DTensor)]
+    foreach = True if meshes and max(meshes) <= 2 else None
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                  foreach=foreach)
