@@ -30,7 +30,7 @@ FSDP2DataParallel behind `PipelineDataParallel` (pipeline/chunks.py).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Collection, Protocol
 
 import torch
 import torch.distributed as dist
@@ -153,14 +153,16 @@ class FSDP2DataParallel:
         """This rank's gradients (DTensor shards or replicas when dp > 1)."""
         return [p.grad for p in self.model.parameters() if p.grad is not None]
 
-    def squared_norm_share(self) -> torch.Tensor:
+    def squared_norm_share(self, leave_out: Collection[str] = ()) -> torch.Tensor:
         """This rank's share of the squared global gradient norm (see optim/clip.py); no communication.
 
         Summed over all ranks it is the squared norm of the whole model's gradient,
         whatever mix of data-parallel and tensor-parallel shards and replicas the
         gradients are; pipeline stages add their shares to the same all-reduce.
+        `leave_out`: parameter names not counted (a pipeline's copy of a tied weight,
+        whose gradient the original's already counts).
         """
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grads = [p.grad for n, p in self.model.named_parameters() if p.grad is not None and n not in leave_out]
         stage_ranks = self.dims.world_size // self.dims.pp
         return squared_norm_share(grads, stage_ranks, next(self.model.parameters()).device)
 

@@ -16,16 +16,19 @@ from polytrain.models.common.init import seed_for
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+def materialize(model: nn.Module, device: torch.device, seed: int, init_as: dict[str, str] | None = None) -> None:
     """Allocate `model` (built on meta, possibly sharded) on `device` and initialise it.
 
     The model provides `init_parameter(name, full_cpu_tensor, generator)` and
-    `init_buffers()`; tied parameters appear once in named_parameters().
+    `init_buffers()`; tied parameters appear once in named_parameters(). `init_as`
+    maps a parameter that copies another (a pipeline's tied output head) to the name
+    whose initial values it takes.
     """
     model.to_empty(device=device)
     for name, param in model.named_parameters():
+        source = (init_as or {}).get(name, name)
         full = torch.empty(param.shape, dtype=torch.float32)  # global shape, also for DTensors
-        model.init_parameter(name, full, torch.Generator().manual_seed(seed_for(seed, name)))
+        model.init_parameter(source, full, torch.Generator().manual_seed(seed_for(seed, source)))
         full = full.to(device=device, dtype=param.dtype)
         if isinstance(param, DTensor):
             # src_data_rank=None: every rank holds the same full tensor, so each

@@ -28,6 +28,7 @@ from polytrain.distributed.activation_checkpoint import apply_activation_checkpo
 from polytrain.distributed.data_parallel import build_data_parallel
 from polytrain.distributed.materialize import materialize
 from polytrain.distributed.pipeline import PipelineRunner, plan_from_config, run_under, split_model
+from polytrain.distributed.pipeline.tied import COPIES, TiedEmbeddings
 from polytrain.distributed.tensor_parallel import Context, shard_sizes
 from polytrain.distributed.topology import ParallelDims, dp_coordinates
 from polytrain.distributed.world import barrier, init_world, max_over_world, mean_over_world
@@ -153,8 +154,11 @@ class Trainer:
             self.tp_ctx = arch.parallelize(stage, dims, self.mesh)  # tp/sp, dropout streams; None on one rank
             apply_activation_checkpointing(stage, cfg.train.activation_checkpoint)
         model = self.dp.parallelize(stages if plan else model)
+        tied = TiedEmbeddings(stages, plan, self.mesh) if plan and cfg.model.tie_embeddings else None
         for stage in stages.values():
-            materialize(stage, self.device, cfg.run.seed)
+            materialize(stage, self.device, cfg.run.seed, init_as=COPIES if tied else None)
+        if tied:
+            self.dp.copies = COPIES
         if plan:
             for stage in stages.values():  # the schedule calls the stages; autocast goes with them
                 run_under(stage, lambda: self.acc.autocast(self.autocast_dtype))
@@ -165,7 +169,8 @@ class Trainer:
             vocab = shard_sizes(cfg.model.vocab_size, dims.tp)[tp_rank]
             hidden = (mbs, seq // dims.tp if dims.sp else seq, dim)
             self.pipeline = PipelineRunner(plan, stages, pp_rank, self.mesh["pp"].get_group(), self.device,
-                                           mbs, seq, hidden_shape=hidden, logits_shape=(mbs, seq, vocab))
+                                           mbs, seq, hidden_shape=hidden, logits_shape=(mbs, seq, vocab),
+                                           after_backward=tied.sum_gradients if tied else None)
         return model
 
     def _loss_scaler(self) -> LossScaler | None:

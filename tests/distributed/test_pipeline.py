@@ -4,7 +4,10 @@ Same seed, data and global batch, fp32: every schedule, with data parallelism an
 ZeRO-3, activation checkpointing, an uneven split and several pipeline runs per
 step gives the single process's losses, gradient norms and validation losses. A
 checkpoint written at pp=2 resumes on one process, whose checkpoint resumes at
-pp=4, on the same curve.
+pp=4, on the same curve. With tied embeddings (the last stage's copy of the token
+table, see polytrain/distributed/pipeline/tied.py) 1f1b and pp=2 x dp=2 ZeRO-3
+match the tied single process, and tied checkpoints move from pp=2 to one process
+and from one process to ZB-V (where one rank holds both copies).
 
 Runs of one world size share their spawned processes (layouts run one after the
 other), which keeps this file to about three minutes on two cores.
@@ -16,6 +19,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch.distributed.checkpoint as dcp
 
 from tests.conftest import tiny_overrides
 from tests.distributed.test_parity import _train_layouts, assert_same_trajectory, read_rows, rows_after, train, train_rows
@@ -33,12 +37,20 @@ TWO_RANKS = {
                                             train__activation_checkpoint="selective"),
     "zero_bubble_full_recompute": dict(parallel__pp_schedule="zero_bubble", train__activation_checkpoint="full"),
     "uneven_split_two_runs_per_step": dict(parallel__pp_split="layers.3", parallel__pp_microbatches=2),
+    "tied_1f1b": dict(model__tie_embeddings=True, checkpoint__every=4, checkpoint__keep=0),
 }
 FOUR_RANKS = {
     "pp4": dict(parallel__pp=4),
     "pp2_dp2_zero0": dict(),
     "pp2_dp2_zero3_zero_bubble": dict(parallel__zero=3, parallel__pp_schedule="zero_bubble"),
+    "tied_pp2_dp2_zero3": dict(model__tie_embeddings=True, parallel__zero=3),
 }
+TIED = dict(model__tie_embeddings=True)
+
+
+def reference_of(name: str) -> str:
+    """The single-process run a layout must reproduce: the tied model's for tied layouts."""
+    return "reference_tied" if name.startswith("tied_") else "reference"
 
 
 def overrides(corpus: Path, run_dir: Path, **extra) -> list[str]:
@@ -60,7 +72,12 @@ def runs(small_corpus, tmp_path_factory) -> Path:
     """Every run of this file, in dependency order; returns the directory holding them by name."""
     root = tmp_path_factory.mktemp("pipeline")
     train(tiny_overrides(small_corpus, root / "reference", **MODEL))
-    run_ranks(2, _train_layouts, [overrides(small_corpus, root / name, **extra) for name, extra in TWO_RANKS.items()])
+    train(tiny_overrides(small_corpus, root / "reference_tied", checkpoint__every=4, checkpoint__keep=0,
+                         **MODEL, **TIED))
+    two = [overrides(small_corpus, root / name, **extra) for name, extra in TWO_RANKS.items()]
+    two.append(overrides(small_corpus, root / "resumed_tied_zero_bubble", parallel__pp_schedule="zero_bubble",
+                         checkpoint__resume=root / "reference_tied" / "checkpoints" / "step_4", **TIED))
+    run_ranks(2, _train_layouts, two)
     # Resume chain: pp=2's step-4 checkpoint -> one process to step 10 (saving step 7) -> pp=4 from step 7.
     train(tiny_overrides(small_corpus, root / "resumed_single", checkpoint__every=7, checkpoint__keep=0,
                          checkpoint__resume=root / "1f1b" / "checkpoints" / "step_4", **MODEL))
@@ -68,19 +85,23 @@ def runs(small_corpus, tmp_path_factory) -> Path:
     four.append(overrides(small_corpus, root / "resumed_pp4", parallel__pp=4,
                           checkpoint__resume=root / "resumed_single" / "checkpoints" / "step_7"))
     run_ranks(4, _train_layouts, four)
+    train(tiny_overrides(small_corpus, root / "resumed_tied_single", **MODEL, **TIED,
+                         checkpoint__resume=root / "tied_1f1b" / "checkpoints" / "step_4"))
     return root
 
 
-def test_reference_learns(runs):
-    rows = train_rows(runs / "reference")
+@pytest.mark.parametrize("reference", ["reference", "reference_tied"])
+def test_reference_learns(runs, reference):
+    rows = train_rows(runs / reference)
     assert len(rows) == 10 and rows[-1]["loss"] < rows[0]["loss"]
-    assert [s for s, _ in val_rows(runs / "reference")] == [0, 5, 10]
+    assert [s for s, _ in val_rows(runs / reference)] == [0, 5, 10]
 
 
 @pytest.mark.parametrize("name", [*TWO_RANKS, *FOUR_RANKS])
 def test_layout_matches_single_process(runs, name):
-    assert_same_trajectory(train_rows(runs / "reference"), train_rows(runs / name), RTOL, name)
-    assert_same_val(val_rows(runs / "reference"), val_rows(runs / name), name)
+    ref = runs / reference_of(name)
+    assert_same_trajectory(train_rows(ref), train_rows(runs / name), RTOL, name)
+    assert_same_val(val_rows(ref), val_rows(runs / name), name)
 
 
 def test_checkpoint_moves_from_pp2_to_one_process_to_pp4(runs):
@@ -93,3 +114,20 @@ def test_checkpoint_moves_from_pp2_to_one_process_to_pp4(runs):
     assert_same_val(val_rows(ref)[-1:], val_rows(pp4), "1 process -> pp=4")
     trainer_state = json.loads((pp4 / "checkpoints" / "step_10" / "trainer.json").read_text())
     assert trainer_state["world_size"] == 4 and trainer_state["step"] == 10
+
+
+def test_tied_checkpoint_moves_between_pp2_and_one_process(runs):
+    ref = runs / "reference_tied"
+    # The copy leaves no trace: the pp=2 checkpoint holds exactly the single process's keys.
+    assert checkpoint_keys(runs / "tied_1f1b" / "checkpoints" / "step_4") == checkpoint_keys(
+        ref / "checkpoints" / "step_4")
+    for name, what in (("resumed_tied_single", "tied pp=2 -> 1 process"),
+                       ("resumed_tied_zero_bubble", "tied 1 process -> pp=2 ZB-V")):
+        assert [r["step"] for r in train_rows(runs / name)] == list(range(5, 11)), what
+        assert_same_trajectory(rows_after(ref, 4), train_rows(runs / name), RTOL, what)
+        assert_same_val(val_rows(ref)[1:], val_rows(runs / name), what)
+
+
+def checkpoint_keys(path: Path) -> list[str]:
+    """The tensor and state keys a DCP checkpoint holds ("model.output.weight", "optim.state....")."""
+    return sorted(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)

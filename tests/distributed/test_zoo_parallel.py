@@ -164,23 +164,22 @@ def check_layouts(corpus, tmp_path, arch: str, references: dict[str, list[str]],
 TP2 = ["--parallel.tp", "2"]
 SP = ["--parallel.sp", "true"]
 PP2 = ["--parallel.pp", "2"]
-UNTIED = ["--model.tie_embeddings", "false"]  # a pipeline's first and last stage cannot share a weight
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "internlm2"])
 def test_decoders_train_alike_at_tp2_sp_and_pp2(arch, small_corpus, tmp_path):
-    references = {"ref": [], "ref_untied": UNTIED} if arch == "gpt2" else {"ref": []}
-    untied = "ref_untied" if arch == "gpt2" else "ref"
-    check_layouts(small_corpus, tmp_path, arch, references, {
+    # gpt2 ties its embeddings: at pp2 the last stage holds a copy of the token table.
+    check_layouts(small_corpus, tmp_path, arch, {"ref": []}, {
         "tp2": ("ref", TP2),
         "tp2_sp": ("ref", TP2 + SP),
-        "pp2": (untied, PP2),
+        "pp2": ("ref", PP2),
     })
 
 
 def test_gpt2_composes_tp2_sp_with_pp2(small_corpus, tmp_path):
-    # 4 ranks: the second stage receives each rank's (B, T/2, D) slice of the residual stream.
-    check_layouts(small_corpus, tmp_path, "gpt2", {"ref": UNTIED}, {"tp2_sp_pp2": ("ref", TP2 + SP + PP2)},
+    # 4 ranks: the second stage receives each rank's (B, T/2, D) slice of the residual stream,
+    # and each tp rank's vocabulary rows of the tied table's two copies are summed in pairs.
+    check_layouts(small_corpus, tmp_path, "gpt2", {"ref": []}, {"tp2_sp_pp2": ("ref", TP2 + SP + PP2)},
                   world_size=4)
 
 
@@ -281,8 +280,8 @@ def test_imported_gpt2_fine_tunes_alike_at_tp2_and_pp2(small_corpus, tmp_path):
     from tests.distributed.test_finetune_imported import fine_tune_imported_gpt2
     from tests.distributed.test_parity import _train_layouts, assert_same_trajectory, train_rows
 
-    # Untied: a pipeline's first and last stages cannot share the token table.
-    overrides, reference = fine_tune_imported_gpt2(small_corpus, tmp_path, tied=False)
+    # Tied, as Hugging Face's gpt2: the pp2 head starts from the imported token table.
+    overrides, reference = fine_tune_imported_gpt2(small_corpus, tmp_path, tied=True)
     layouts = {"tp2": TP2, "tp2_sp": TP2 + SP, "pp2": PP2}
     run_ranks(2, _train_layouts, [overrides(name, *extra) for name, extra in layouts.items()])
     for name in layouts:

@@ -18,8 +18,8 @@ def config(arch: str, *args: str):
                               "--train.global_batch_size", "8", *args])
 
 
-def test_gpt2_first_stage_holds_both_embeddings_and_no_other_stage_any():
-    cfg = config("gpt2", "--parallel.pp", "2", "--model.tie_embeddings", "false")
+def test_gpt2_first_stage_holds_both_embeddings_and_the_last_its_own_tied_head():
+    cfg = config("gpt2", "--parallel.pp", "2")  # tied embeddings, gpt2's default
     p = plan_from_config(cfg, 1)
     assert p.stages == (("tok_embeddings", "pos_embeddings", "layers.0", "layers.1"),
                         ("layers.2", "layers.3", "norm", "output"))
@@ -29,13 +29,14 @@ def test_gpt2_first_stage_holds_both_embeddings_and_no_other_stage_any():
     assert first.pos_embeddings is not None and first.output is None
     assert last.pos_embeddings is None and last.tok_embeddings is None
     assert not any(n.startswith("pos_embeddings") for n, _ in last.named_parameters())
+    # The head's copy of the tied table (pipeline/tied.py keeps the two equal).
+    assert "output.weight" in dict(last.named_parameters()) and "output.weight" not in dict(first.named_parameters())
 
 
 @pytest.mark.parametrize("arch, args, message", [
-    ("gpt2", ["--parallel.pp", "2", "--model.tie_embeddings", "false", "--parallel.pp_split", "pos_embeddings"],
+    ("gpt2", ["--parallel.pp", "2", "--parallel.pp_split", "pos_embeddings"],
      "'pos_embeddings' is not a module a stage can start at"),
-    ("gpt2", ["--parallel.pp", "2"], "model.tie_embeddings = true shares one weight"),
-    ("bert", ["--parallel.pp", "2", "--model.tie_embeddings", "false"],
+    ("bert", ["--parallel.pp", "2"],
      "parallel.pp > 1 runs decoders only (the causal LM objective); model.arch = 'bert' is an encoder model"),
     ("t5", ["--parallel.pp", "2"], "model.arch = 't5' is an encoder-decoder model"),
 ])

@@ -8,7 +8,8 @@
 
 plan.py decides, stages.py builds the stage modules and torch PipelineStages,
 runner.py drives torch.distributed.pipelining's schedules, chunks.py gives each
-stage its own data-parallel strategy behind the trainer's one interface.
+stage its own data-parallel strategy behind the trainer's one interface, tied.py
+keeps a tied embedding and its head copy equal across the first and last stage.
 """
 
 from polytrain.distributed.pipeline.plan import PipelinePlan, plan_from_config

@@ -11,7 +11,11 @@ the pipeline's part:
   disjoint), with the optimizer's parameter groups listing every parameter of the
   whole model in model order, identical on every rank: exactly the single-process
   checkpoint's layout, so a checkpoint moves between pipeline layouts and to and
-  from one process.
+  from one process;
+- `copies` (a copy's parameter name -> the name one process knows the weight by)
+  covers a weight two stages each hold (tied embeddings, see tied.py): the copy's
+  gradient is left out of the norm, and its optimizer state is saved and loaded
+  under the original's name, so the checkpoint keeps the single-process keys.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class PipelineDataParallel:
         self.strategies: dict[int, object] = {}
         self.optimizer: _ParamGroups | None = None
         self._group_fqns: list[list[str]] | None = None  # the whole model's, per optimizer group
+        self.copies: dict[str, str] = {}  # set before build_optimizer (tied.COPIES when tied)
 
     def parallelize(self, stages: nn.ModuleDict) -> nn.ModuleDict:
         """Apply a new strategy to each stage ({global stage index: module}), in place."""
@@ -73,7 +78,8 @@ class PipelineDataParallel:
         mine = []
         for index, strategy in self.strategies.items():
             names = {id(p): n for n, p in strategy.model.named_parameters()}
-            mine.append((index, [[names[id(p)] for p in g["params"]] for g in strategy.optimizer.param_groups]))
+            mine.append((index, [[names[id(p)] for p in g["params"] if names[id(p)] not in self.copies]
+                                 for g in strategy.optimizer.param_groups]))
         everyone: list = [None] * dist.get_world_size(self.pp_group)
         dist.all_gather_object(everyone, mine, group=self.pp_group)
         by_stage = sorted(item for rank_items in everyone for item in rank_items)
@@ -88,7 +94,8 @@ class PipelineDataParallel:
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip every stage's gradients by the norm over the whole model; returns that norm."""
-        share = torch.stack([s.squared_norm_share() for s in self.strategies.values()]).sum()
+        # A copy's gradient equals its original's after the tied sum: counted once, by the original.
+        share = torch.stack([s.squared_norm_share(leave_out=self.copies) for s in self.strategies.values()]).sum()
         norm = global_norm(share)  # all-reduced over the world: the pipeline stages add up
         coef = clip_coefficient(norm, max_norm)
         for strategy in self.strategies.values():
@@ -109,7 +116,8 @@ class PipelineDataParallel:
         for strategy in self.strategies.values():
             sd = strategy.state_dict()
             model.update(sd["model"])
-            state.update(sd["optim"]["state"])
+            for name, value in sd["optim"]["state"].items():  # a copy's state equals its original's
+                state.setdefault(self.copies.get(name, name), value)
             groups = groups or sd["optim"]["param_groups"]
         groups = [{**g, "params": list(names)} for g, names in zip(groups, self._group_fqns, strict=True)]
         return {"model": model, "optim": {"state": state, "param_groups": groups}}
@@ -119,12 +127,17 @@ class PipelineDataParallel:
         model, optim = state_dict["model"], state_dict["optim"]
         for strategy in self.strategies.values():
             keys = list(strategy.model.state_dict())
-            names = {n for n, _ in strategy.model.named_parameters()}
-            groups = [{**g, "params": [n for n in g["params"] if n in names]} for g in optim["param_groups"]]
+            # This stage's parameter names -> the names their optimizer state is saved under.
+            saved = {n: self.copies.get(n, n) for n, _ in strategy.model.named_parameters()}
+            groups = [{**g, "params": [n for n, s in saved.items() if s in g["params"]]} for g in optim["param_groups"]]
+            state = {n: optim["state"][s] for n, s in saved.items() if s in optim["state"]}
+            for n in state.keys() & self.copies.keys():
+                # Its own tensors: an optimizer keeps the tensors it loads, and the
+                # original's optimizer may load the same ones on this rank (ZB-V).
+                state[n] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state[n].items()}
             strategy.load_state_dict({
                 "model": {k: model[k] for k in keys},
-                "optim": {"state": {k: v for k, v in optim["state"].items() if k in names},
-                          "param_groups": groups},
+                "optim": {"state": state, "param_groups": groups},
             })
 
     def close(self) -> None:

@@ -93,9 +93,6 @@ def plan_from_config(cfg: Config, dp: int) -> PipelinePlan | None:
         raise ConfigError(f"parallel.pp > 1 runs decoders only (the causal LM objective); model.arch = "
                           f"'{cfg.model.arch}' is an {arch.kind} model: set parallel.pp = 1 and use "
                           f"parallel.tp / parallel.dp")
-    if cfg.model.tie_embeddings:
-        raise ConfigError("model.tie_embeddings = true shares one weight between the first and the last "
-                          "pipeline stage, which parallel.pp > 1 does not support; set it to false")
     local = t.global_batch_size // (t.micro_batch_size * dp)
     return plan_pipeline(p.pp, p.pp_schedule, p.pp_virtual_stages, p.pp_split, cfg.model.n_layers,
                          p.pp_microbatches, local, arch.embedding_units, arch.head_units)

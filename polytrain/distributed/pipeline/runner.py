@@ -42,9 +42,10 @@ class PipelineRunner:
 
     def __init__(self, plan: PipelinePlan, modules: nn.ModuleDict, pp_rank: int, group, device: torch.device,
                  micro_batch_size: int, seq_len: int, hidden_shape: tuple[int, ...],
-                 logits_shape: tuple[int, ...]):
+                 logits_shape: tuple[int, ...], after_backward: Callable[[], None] | None = None):
         self.plan, self.device, self.pp_rank, self.group = plan, device, pp_rank, group
         self.hidden_shape = hidden_shape
+        self.after_backward = after_backward  # once per step, e.g. summing a tied weight's two gradients
         self.modules = {int(k): m for k, m in modules.items()}
         self.stage_ids = sorted(self.modules)
         self.has_first = 0 in self.stage_ids
@@ -88,6 +89,8 @@ class PipelineRunner:
         for inputs, targets in self._runs(batches, data):
             args = (inputs,) if inputs is not None else ()
             self.schedule.step(*args, target=targets, return_outputs=False)
+        if self.after_backward is not None:
+            self.after_backward()
         return self._local_sum()
 
     @torch.no_grad()
