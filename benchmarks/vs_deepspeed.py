@@ -229,9 +229,10 @@ def launch(args: argparse.Namespace, framework: str, stage: int, work: Path, tag
         print(done.stdout[-4000:], done.stderr[-6000:], sep="\n", file=sys.stderr)
         raise SystemExit(f"error: the {framework} ZeRO-{stage} job failed (exit {done.returncode})")
     if done.returncode != 0:  # measured, then crashed in shutdown (DeepSpeed's ZeRO-3 on gloo does)
+        why = [line for line in done.stderr.splitlines()
+               if any(word in line for word in ("Error", "error:", "Signal", "terminate", "exitcode"))]
         print(f"note: the {framework} ZeRO-{stage} job exited {done.returncode} after every rank "
-              f"reported; its figures count. Last stderr line: "
-              f"{(done.stderr.strip().splitlines() or [''])[-1][:200]}", flush=True)
+              f"reported; its figures count. stderr says: {' | '.join(why[:4])[:600]}", flush=True)
     ranks = json.loads(result.read_text())
     seconds = max(r["seconds"] for r in ranks)
     tokens = args.steps * args.global_batch * args.seq_len
