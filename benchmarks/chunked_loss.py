@@ -1,6 +1,6 @@
 """Output projection + cross-entropy: the plain path against polytrain's chunked loss.
 
-    python benchmarks/chunked_loss.py            # ~1 min on 2 cores
+    python benchmarks/chunked_loss.py            # ~6 min on 2 cores (the 8K x 32K case is most of it)
 
 For each shape (tokens N, width D, vocabulary V) both ways compute the mean loss of
 hidden (N, D) @ weight (V, D).T against random targets and its gradients; the plain
