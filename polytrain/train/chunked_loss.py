@@ -36,7 +36,7 @@ MIN_CHUNK_TOKENS = 256
 
 
 def chunk_tokens(n_tokens: int, dim: int, vocab_size: int) -> int:
-    """Tokens per chunk: a chunk's (C, V) logits hold no more numbers than the (N, D) hidden
+    """Tokens per chunk: a chunk's (C, V) logits hold about as many numbers as the (N, D) hidden
     states (the rule Liger-Kernel's fused loss uses), but at least MIN_CHUNK_TOKENS."""
     return max(MIN_CHUNK_TOKENS, -(-n_tokens * dim // vocab_size))
 
@@ -59,11 +59,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_b else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        # The matmul dtype (autocast's or the weight's); the weight is cast once, not per chunk.
+        device_type = hidden.device.type
+        low_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+        weight_low = weight.to(low_dtype)
+        bias_low = bias.to(low_dtype) if bias is not None else None
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            h, t, keep = hidden[rows], safe_targets[rows, None], scored[rows]
-            low = F.linear(h, weight, bias)  # (C, V) in the matmul dtype (autocast's or the weight's)
-            logits = low.float()
+            h, t, keep = hidden[rows].to(low_dtype), safe_targets[rows, None], scored[rows]
+            logits = F.linear(h, weight_low, bias_low).float()  # (C, V)
             lse = torch.logsumexp(logits, dim=-1)  # (C,)
             total += ((lse - logits.gather(1, t).squeeze(1)) * keep).sum()
             if not (want_h or want_w or want_b):
@@ -76,11 +80,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad.mul_(keep[:, None] * GRAD_SCALE)
             if want_b:
                 grad_b += grad.sum(0)
-            grad = grad.to(low.dtype)  # the gradient matmuls run in the forward's dtype
+            grad = grad.to(low_dtype)  # the gradient matmuls run in the forward's dtype
             if want_h:
-                grad_h[rows] = (grad @ weight.to(low.dtype)).float().div_(count * GRAD_SCALE)
+                grad_h[rows] = (grad @ weight_low).float().div_(count * GRAD_SCALE)
             if want_w:
-                grad_w += (grad.t() @ h.to(low.dtype)).float()
+                grad_w += (grad.t() @ h).float()
         for summed in (grad_w, grad_b):
             if summed is not None:
                 summed.div_(count * GRAD_SCALE)
