@@ -177,6 +177,9 @@ class TrainConfig:
     chunked_loss: bool = True
     """Output projection + cross-entropy a chunk of tokens at a time, never holding (tokens, vocab) logits
     (without tp and pp; tp's vocabulary-parallel loss splits the logits already); false = the plain path."""
+    compile: bool = False
+    """torch.compile each transformer block (regional: the blocks share one graph); the cost is reported
+    after the first step."""
 
 
 @dataclass

@@ -38,6 +38,7 @@ from polytrain.models import ARCHITECTURES
 from polytrain.optim.schedule import set_lr
 from polytrain.train.checkpoint import Checkpointer, TrainerState, check_checkpoint, latest_checkpoint
 from polytrain.train.chunked_loss import LossHead
+from polytrain.train.compiled import CompileTimer, compile_blocks
 from polytrain.train.metrics import MetricsLogger, plot_loss
 from polytrain.train.precision import LossScaler, check_fp16_autocast
 from polytrain.train.progress import ProgressBar
@@ -74,6 +75,7 @@ class Trainer:
         self.pipeline: PipelineRunner | None = None  # set by _build_model when parallel.pp > 1
         self.tp_ctx: Context | None = None  # set by _build_model when parallel.tp > 1
         self.loss_head: LossHead | None = None  # set by _build_model (train.chunked_loss)
+        self.compile_timer: CompileTimer | None = None  # set by _build_model (train.compile)
         self.model = self._build_model()
         # Under tp the model returns vocabulary-split logits: (B, T, V/tp) in 1d, a grid
         # block of sequences and vocabulary otherwise; the context knows which.
@@ -150,9 +152,13 @@ class Trainer:
         # the whole head: not under tp (vocabulary-split logits) nor pp (the schedule's loss).
         if cfg.train.chunked_loss and not plan and dims.tp == 1:
             self.loss_head = model.output = LossHead.replacing(model.output)
+        compiled = 0
         for stage in stages.values():
             self.tp_ctx = arch.parallelize(stage, dims, self.mesh)  # tp/sp, dropout streams; None on one rank
+            compiled += compile_blocks(stage) if cfg.train.compile else 0  # inside tp, under recomputation
             apply_activation_checkpointing(stage, cfg.train.activation_checkpoint)
+        if cfg.train.compile:  # data parallelism's hooks run around the compiled blocks
+            self.compile_timer = CompileTimer.started(compiled)
         model = self.dp.parallelize(stages if plan else model)
         tied = TiedEmbeddings(stages, plan, self.mesh) if plan and cfg.model.tie_embeddings else None
         for stage in stages.values():
@@ -319,7 +325,7 @@ class Trainer:
             print(self.describe(), flush=True)
         bar = ProgressBar(cfg.run.steps, self.step, enabled=main)
         start = last_log_time = last_plot = time.perf_counter()
-        last_log_step = self.step
+        last_log_step = first_step = self.step
         first_val = last_val = None
         saved_step = self.step if self.resume_from else None
         if self.step == 0:
@@ -329,6 +335,8 @@ class Trainer:
             while self.step < cfg.run.steps:
                 stats = self.train_step()
                 step = self.step
+                if self.compile_timer is not None and step == first_step + 1 and main:
+                    bar.write(self.compile_timer.describe())  # the first step compiled the blocks
                 if step % cfg.run.log_every == 0 or step == cfg.run.steps:
                     self.acc.synchronize()
                     now = time.perf_counter()

@@ -65,18 +65,12 @@ class TPContext:
 
     def __post_init__(self) -> None:
         self.sp_active = self.sp
-
-    @property
-    def group(self):
-        return self.mesh.get_group()
-
-    @property
-    def size(self) -> int:
-        return self.mesh.size()
-
-    @property
-    def rank(self) -> int:
-        return self.mesh.get_local_rank()
+        # Read off the mesh once: a compiled block then sees the process group and integers
+        # as constants, where asking the mesh inside the graph would make the mesh a value
+        # the backward keeps (which torch.compile's recomputation cannot save).
+        self.group = self.mesh.get_group()
+        self.size = self.mesh.size()
+        self.rank = self.mesh.get_local_rank()
 
     def distribute(self, param: nn.Parameter, placements: list[Placement]) -> nn.Parameter:
         """`param` as a DTensor parameter on the tp mesh; the same object for a tied parameter.
