@@ -37,7 +37,7 @@ from polytrain.inference.generate import generate
 from polytrain.models import ARCHITECTURES
 from polytrain.optim.schedule import set_lr
 from polytrain.train.checkpoint import Checkpointer, TrainerState, check_checkpoint, latest_checkpoint
-from polytrain.train.chunked_loss import LossHead
+from polytrain.train.chunked_loss import LossHead, ScoringHead
 from polytrain.train.compiled import CompileTimer, compile_blocks
 from polytrain.train.metrics import MetricsLogger, plot_loss
 from polytrain.train.precision import LossScaler, check_fp16_autocast
@@ -74,12 +74,14 @@ class Trainer:
                                "fp16": torch.float16}[cfg.train.precision]
         self.pipeline: PipelineRunner | None = None  # set by _build_model when parallel.pp > 1
         self.tp_ctx: Context | None = None  # set by _build_model when parallel.tp > 1
-        self.loss_head: LossHead | None = None  # set by _build_model (train.chunked_loss)
+        self.loss_head: ScoringHead | None = None  # set by _build_model (train.chunked_loss)
         self.compile_timer: CompileTimer | None = None  # set by _build_model (train.compile)
         self.model = self._build_model()
         # Under tp the model returns vocabulary-split logits: (B, T, V/tp) in 1d, a grid
         # block of sequences and vocabulary otherwise; the context knows which.
         self.loss_fn = self.tp_ctx.loss_fn(cfg.model.vocab_size) if self.tp_ctx else causal_lm_loss
+        if self.pipeline is not None and self.loss_head is not None:  # the last stage returned hidden states
+            self.loss_fn = self._head_loss
         # The optimizer whose param_groups carry the learning rate (ZeRO: the one over master shards).
         self.optimizer = self.dp.build_optimizer(self.model, cfg.train)
         seq_len = cfg.data.seq_len
@@ -147,11 +149,13 @@ class Trainer:
         self.flops_per_token = model.flops_per_token(cfg.data.seq_len)
         plan = plan_from_config(cfg, dims.dp)
         pp_rank = self.mesh["pp"].get_local_rank() if plan else 0
+        # The chunked loss: the output Linear becomes a LossHead (same parameters), which tp's
+        # plan turns into a vocabulary-parallel head that scores alike; the grid modes keep
+        # their own loss. Replaced before the split, so the last pipeline stage holds it.
+        chunked = cfg.train.chunked_loss and (dims.tp == 1 or dims.tp_mode == "1d")
+        if chunked:
+            model.output = LossHead.replacing(model.output)
         stages = split_model(model, plan, pp_rank) if plan else {"": model}
-        # The loss head replaces the output Linear (same parameters) where one rank holds
-        # the whole head: not under tp (vocabulary-split logits) nor pp (the schedule's loss).
-        if cfg.train.chunked_loss and not plan and dims.tp == 1:
-            self.loss_head = model.output = LossHead.replacing(model.output)
         compiled = 0
         for stage in stages.values():
             self.tp_ctx = arch.parallelize(stage, dims, self.mesh)  # tp/sp, dropout streams; None on one rank
@@ -159,6 +163,10 @@ class Trainer:
             apply_activation_checkpointing(stage, cfg.train.activation_checkpoint)
         if cfg.train.compile:  # data parallelism's hooks run around the compiled blocks
             self.compile_timer = CompileTimer.started(compiled)
+        last = str(plan.num_stages - 1) if plan else ""  # the stage holding the head, if this rank has it
+        if chunked and last in stages:
+            self.loss_head = stages[last].output  # a ScoringHead; under pp it hands the schedule its input
+            self.loss_head.deferred = plan is not None
         model = self.dp.parallelize(stages if plan else model)
         tied = TiedEmbeddings(stages, plan, self.mesh) if plan and cfg.model.tie_embeddings else None
         for stage in stages.values():
@@ -174,8 +182,9 @@ class Trainer:
             tp_rank = self.mesh["tp"].get_local_rank()
             vocab = shard_sizes(cfg.model.vocab_size, dims.tp)[tp_rank]
             hidden = (mbs, seq // dims.tp if dims.sp else seq, dim)
+            out = hidden if chunked else (mbs, seq, vocab)  # the chunked head's input, or logits
             self.pipeline = PipelineRunner(plan, stages, pp_rank, self.mesh["pp"].get_group(), self.device,
-                                           mbs, seq, hidden_shape=hidden, logits_shape=(mbs, seq, vocab),
+                                           mbs, seq, hidden_shape=hidden, logits_shape=out,
                                            after_backward=tied.sum_gradients if tied else None)
         return model
 
@@ -242,6 +251,11 @@ class Trainer:
         with self.acc.autocast(self.autocast_dtype):
             logits = self.model(*args)  # (B, T', V)
         return self.loss_fn(logits, targets)
+
+    def _head_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """A pipeline's loss: the last stage's head scores its input in the stage's precision."""
+        with self.acc.autocast(self.autocast_dtype):
+            return self.loss_head.loss(hidden, targets)
 
     def _forward_backward(self, micro_batches: list[list[int]]) -> float:
         """Accumulate the gradients of the step's micro-batches; returns the step's mean loss (all ranks)."""
