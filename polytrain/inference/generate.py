@@ -20,21 +20,30 @@ import contextlib
 import torch
 import torch.nn as nn
 
+from polytrain.inference.continuous import generate_static
 from polytrain.models.common.kv_cache import KVCache
 
 
 def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-             stop_tokens: set[int] | None = None,
-             generator: torch.Generator | None = None) -> list[list[int]]:
+             stop_tokens: set[int] | None = None, generator: torch.Generator | None = None,
+             static_cache: bool = False, batch_size: int | None = None,
+             compile: bool = False) -> list[list[int]]:
     """Continue each prompt by up to `max_new_tokens` tokens; returns only the new tokens.
 
     temperature 0 picks the most likely token (greedy); otherwise logits are divided
     by temperature, filtered by top_k and/or top_p (nucleus), and sampled with
     `generator`. A row ends after it emits a token in `stop_tokens` (that token is
     included); generation ends when every row has ended or after max_new_tokens.
+
+    static_cache: decode over a fixed-shape cache, at most `batch_size` prompts at once
+    (default all), a finished row taking the next prompt (continuous batching);
+    `compile` compiles the decoding step (implies static_cache). Greedy tokens are the
+    same either way; sampled ones come from the same distributions in another order.
     """
     _check_arguments(prompts, max_new_tokens, temperature, top_k, top_p)
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size = {batch_size} must be >= 1")
     longest = max(len(p) for p in prompts)
     max_seq_len = model.cfg.max_seq_len
     if longest + max_new_tokens > max_seq_len:
@@ -43,6 +52,12 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
                          "or ask for fewer tokens")
     if max_new_tokens == 0:
         return [[] for _ in prompts]
+
+    if static_cache or compile or batch_size is not None:
+        with _inference(model):
+            return generate_static(model, prompts, max_new_tokens,
+                                   lambda logits: sample(logits, temperature, top_k, top_p, generator),
+                                   stop_tokens or set(), batch_size, compile)
 
     device = next(model.parameters()).device
     batch = len(prompts)
