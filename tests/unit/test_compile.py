@@ -44,3 +44,11 @@ def test_compiled_blocks_train_like_eager_and_share_one_graph(small_corpus, tmp_
     # Both blocks run one graph (each new graph counts once, forward and backward together).
     assert timer.blocks == 2 and timer.graphs == 1 and timer.breaks == 0 and timer.seconds > 0
     assert "compiled 2 blocks: 1 new graph(s), 0 graph breaks" in timer.describe()
+
+
+def test_compile_with_tp_and_selective_recomputation_is_refused():
+    from polytrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="train.activation_checkpoint = 'full'"):
+        load_config(None, ["--train.compile", "true", "--parallel.tp", "2",
+                           "--train.activation_checkpoint", "selective"])
