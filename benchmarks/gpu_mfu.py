@@ -70,7 +70,7 @@ OP_KINDS = [  # profile rows: the first substring found in an op's name decides 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="1b,8b", help="comma list of " + ", ".join(SHAPES))
-    p.add_argument("--seqs", default="4096,8192", help="sequence lengths")
+    p.add_argument("--seqs", help="sequence lengths (default 4096,8192; --cpu-smoke 64,128)")
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
@@ -86,8 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="write every figure here as JSON")
     args = p.parse_args(argv)
     if args.cpu_smoke:
-        args.cpu, args.sizes, args.seqs, args.precision = True, "tiny", "64,128", "fp32"
+        args.cpu, args.sizes, args.precision = True, "tiny", "fp32"
         args.steps, args.warmup, args.micro_batch = 2, 1, 2
+    args.seqs = args.seqs or ("64,128" if args.cpu_smoke else "4096,8192")
     return args
 
 
