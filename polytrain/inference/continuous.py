@@ -19,7 +19,9 @@ import torch
 import torch.nn as nn
 
 from polytrain.models.common.kv_cache import StaticKVCache
-from polytrain.train import compiled as compiled_blocks
+
+BACKEND = "inductor"
+"""torch.compile backend of the decoding step; tests may set "aot_eager" (the graph, no code generation)."""
 
 
 def decode_step(model: nn.Module, cache: StaticKVCache, compile_: bool) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -29,7 +31,7 @@ def decode_step(model: nn.Module, cache: StaticKVCache, compile_: bool) -> Calla
         cache.advance()
         return logits
 
-    return torch.compile(step, backend=compiled_blocks.BACKEND) if compile_ else step
+    return torch.compile(step, backend=BACKEND) if compile_ else step
 
 
 def generate_static(model: nn.Module, prompts: list[list[int]], max_new_tokens: int,

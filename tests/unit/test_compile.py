@@ -47,7 +47,7 @@ def test_compiled_blocks_train_like_eager_and_share_one_graph(small_corpus, tmp_
 
 
 def test_compile_with_tp_and_selective_recomputation_is_refused():
-    from polytrain.config import ConfigError
+    from polytrain.errors import ConfigError
 
     with pytest.raises(ConfigError, match="train.activation_checkpoint = 'full'"):
         load_config(None, ["--train.compile", "true", "--parallel.tp", "2",

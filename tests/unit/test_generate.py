@@ -132,14 +132,14 @@ def test_static_cache_with_continuous_refill_equals_the_padded_batch(model):
 def test_compiled_static_decoding_equals_eager_and_compiles_once(model):
     from torch._dynamo.utils import counters
 
-    from polytrain.train import compiled
+    from polytrain.inference import continuous
 
-    before, backend = counters["stats"]["unique_graphs"], compiled.BACKEND
-    compiled.BACKEND = "aot_eager"  # the graph, not inductor's kernels (test_compile.py has those)
+    before, backend = counters["stats"]["unique_graphs"], continuous.BACKEND
+    continuous.BACKEND = "aot_eager"  # the graph, not inductor's kernels (test_compile.py has those)
     try:
         out = generate(model, PROMPTS, 10, temperature=0, batch_size=2, compile=True)
     finally:
-        compiled.BACKEND = backend
+        continuous.BACKEND = backend
     assert out == generate(model, PROMPTS, 10, temperature=0)
     assert counters["stats"]["unique_graphs"] - before == 1  # every decoding step: one graph
 

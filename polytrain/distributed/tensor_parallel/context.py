@@ -7,7 +7,6 @@ between the tensor-parallel regions is split along T (SEQ_DIM): (B, T/tp, D) per
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ContextManager
@@ -25,25 +24,9 @@ from polytrain.distributed.collectives import (
     reduce_scatter_to_sp,
 )
 from polytrain.distributed.rng import DropoutRNG
+from polytrain.distributed.tensor_parallel.cross_entropy import vocab_parallel_loss
 
 SEQ_DIM = 1
-
-
-def shard_range(total: int, n: int, rank: int) -> tuple[int, int]:
-    """[start, end) of `rank`'s part of `total` rows split like torch.chunk / DTensor Shard.
-
-    Parts are ceil(total / n) rows, the last ones smaller or empty: e.g. a vocabulary of
-    10 over 4 ranks is 3, 3, 3, 1. Uneven parts keep the global shape, and so the
-    checkpoint, the same as on one device (no padding rows).
-    """
-    chunk = math.ceil(total / n)
-    start = min(rank * chunk, total)
-    return start, min(start + chunk, total)
-
-
-def shard_sizes(total: int, n: int) -> list[int]:
-    """Rows each of `n` ranks holds (see shard_range)."""
-    return [end - start for start, end in (shard_range(total, n, r) for r in range(n))]
 
 
 @dataclass
@@ -65,12 +48,18 @@ class TPContext:
 
     def __post_init__(self) -> None:
         self.sp_active = self.sp
-        # Read off the mesh once: a compiled block then sees the process group and integers
-        # as constants, where asking the mesh inside the graph would make the mesh a value
-        # the backward keeps (which torch.compile's recomputation cannot save).
-        self.group = self.mesh.get_group()
-        self.size = self.mesh.size()
-        self.rank = self.mesh.get_local_rank()
+
+    @property
+    def group(self):
+        return self.mesh.get_group()
+
+    @property
+    def size(self) -> int:
+        return self.mesh.size()
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.get_local_rank()
 
     def distribute(self, param: nn.Parameter, placements: list[Placement]) -> nn.Parameter:
         """`param` as a DTensor parameter on the tp mesh; the same object for a tied parameter.
@@ -89,10 +78,6 @@ class TPContext:
 
     def loss_fn(self, vocab_size: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """The trainer's loss on the head's vocabulary-split logits (B, T, V/tp); equal on every rank."""
-        from polytrain.distributed.tensor_parallel.cross_entropy import (
-            vocab_parallel_loss,  # it imports this module
-        )
-
         return vocab_parallel_loss(self.mesh, vocab_size)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
