@@ -74,3 +74,20 @@ def test_t5_greedy_generation_matches_transformers(kw, tmp_path):
     theirs = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW,
                          do_sample=False)[:, 1:].tolist()  # after the start token
     assert generate_seq2seq(model, batch, NEW, temperature=0, start_token=0) == theirs
+
+
+@pytest.mark.parametrize("case", ["gpt2", "llama-gqa"])
+def test_static_cache_refilled_and_compiled_matches_transformers(case, tmp_path):
+    """Rows refilled as they finish (2 rows, 3 prompts) and the compiled step give transformers' tokens."""
+    from polytrain.inference import continuous
+
+    hf, _ = CASES[case](tmp_path)
+    model, _ = load_hf(hf_models.save(hf, tmp_path / "hf"))
+    batch = prompts(hf.config.vocab_size, [3, 11, 6])
+    theirs = hf_greedy(hf, batch)
+    assert generate(model, batch, NEW, temperature=0, batch_size=2) == theirs
+    backend, continuous.BACKEND = continuous.BACKEND, "aot_eager"  # the graph; inductor: test_compile.py
+    try:
+        assert generate(model, batch, NEW, temperature=0, batch_size=2, compile=True) == theirs
+    finally:
+        continuous.BACKEND = backend
