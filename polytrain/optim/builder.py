@@ -44,8 +44,8 @@ def make_optimizer(groups: list[dict], cfg: TrainConfig,
 
     AdamW runs torch's fused kernel (one multi-tensor op per step) where the device has
     one, on plain tensors and DTensor shards (FSDP2's, tensor parallelism's) alike: on a
-    CPU 4-5x faster than the per-tensor loop torch picks there by default, and 3-4x
-    faster than foreach ops over DTensors (one dispatch for all tensors, but several ops).
+    CPU about 5x the speed of the per-tensor loop torch picks there by default, and 2-4x
+    that of foreach ops over FSDP2 shards (benchmarks/optimizer_step.py, RESULTS.md).
     SGD over DTensors runs as foreach ops for the same reason. Neither on meshes of more
     than two axes (a 2d tp grid x dp): there DTensor's first multi-tensor dispatch
     enumerates every placement combination across the tensors, which takes minutes,
