@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -43,6 +43,8 @@ class Row:
     chosen: str = ""
     rejected: str = ""
     response: str = ""
+    where: str = field(default="", compare=False)
+    """File and line (or item) the row came from, for messages."""
 
     @property
     def is_pair(self) -> bool:
@@ -111,8 +113,8 @@ def parse_row(record: object, where: str, key: str) -> Row:
         if record["chosen"] == record["rejected"]:
             raise ConfigError(f"{key}: {where} has chosen identical to rejected; such a pair teaches "
                               "the reward model nothing: fix or drop it")
-        return Row(record["prompt"], chosen=record["chosen"], rejected=record["rejected"])
-    return Row(record["prompt"], response=record["response"])
+        return Row(record["prompt"], chosen=record["chosen"], rejected=record["rejected"], where=where)
+    return Row(record["prompt"], response=record["response"], where=where)
 
 
 def read_source(path: str | Path, weight: float = 1.0, key: str = "rlhf.data") -> RowSource:
