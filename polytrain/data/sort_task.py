@@ -9,7 +9,8 @@ files. Each seed gives the same rows on every machine.
 
 - preference rows {prompt, chosen, rejected}: chosen is the sorted list; rejected is a
   typical mistake: two unequal neighbours swapped, a digit dropped or repeated, or a
-  digit replaced by another.
+  digit replaced by another that keeps the list in order (only the prompt shows it wrong:
+  a reward model that ignores the prompt would be hacked by sorted nonsense).
 - demonstration rows {prompt, response} (SFT only): an imperfect demonstrator that makes
   one of those mistakes in a share `noise` of its answers, so that imitation alone
   leaves room for the reward model and step 3 to improve on.
@@ -68,7 +69,10 @@ def mistake(answer: list[int], rng: random.Random) -> list[int]:
         elif kind == "repeat":
             out.insert(i, out[i])
         elif kind == "replace":
-            out[i] = rng.choice([d for d in range(10) if d != out[i]])
+            # Prefer a digit that keeps the list sorted: then only the prompt tells it is wrong.
+            low, high = (out[i - 1] if i else 0), (out[i + 1] if i + 1 < len(out) else 9)
+            keeps_order = [d for d in range(low, high + 1) if d != out[i]]
+            out[i] = rng.choice(keeps_order or [d for d in range(10) if d != out[i]])
         if out != answer:
             return out
 

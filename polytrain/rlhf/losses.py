@@ -22,10 +22,15 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of x over the True positions of mask (same shape); 0 when mask is empty."""
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, count: float | torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of x over the True positions of mask (same shape); 0 when mask is empty.
+
+    `count` replaces the number of True positions as the divisor: a rank holding part of
+    a batch divides its sum by the whole batch's count, so the ranks' losses add up to
+    the batch's mean whatever the layout.
+    """
     mask = mask.to(x.dtype)
-    return (x * mask).sum() / mask.sum().clamp(min=1)
+    return (x * mask).sum() / (mask.sum().clamp(min=1) if count is None else count)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -120,8 +125,10 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, clip: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped surrogate: (loss, clip fraction), masked means over (B, T) tokens.
+                mask: torch.Tensor, clip: float = 0.2,
+                count: float | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate: (loss, clip fraction), masked means over (B, T) tokens (`count`: as
+    masked_mean's).
 
     ratio = exp(log pi - log pi_old); loss = mean max(-A ratio, -A clip(ratio, 1 - clip, 1 + clip));
     the clip fraction is the share of tokens where the clipped term is the larger (no gradient).
@@ -129,16 +136,17 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     ratio = torch.exp(_wide(logprobs) - _wide(old_logprobs))
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip, 1.0 + clip)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
-    return loss, masked_mean((clipped > unclipped).float(), mask).detach()
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask, count)
+    return loss, masked_mean((clipped > unclipped).float(), mask, count).detach()
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-               mask: torch.Tensor, clip: float = 0.2) -> torch.Tensor:
-    """The critic's clipped loss 0.5 mean max((V - R)^2, (clip(V, V_old +- clip) - R)^2) over the mask."""
+               mask: torch.Tensor, clip: float = 0.2, count: float | torch.Tensor | None = None) -> torch.Tensor:
+    """The critic's clipped loss 0.5 mean max((V - R)^2, (clip(V, V_old +- clip) - R)^2) over the mask
+    (`count`: as masked_mean's)."""
     values = _wide(values)
     clipped = torch.maximum(torch.minimum(values, old_values + clip), old_values - clip)
-    return 0.5 * masked_mean(torch.maximum((values - returns) ** 2, (clipped - returns) ** 2), mask)
+    return 0.5 * masked_mean(torch.maximum((values - returns) ** 2, (clipped - returns) ** 2), mask, count)
 
 
 def group_advantages(scores: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:

@@ -39,6 +39,18 @@ def test_logprobs_and_masked_mean():
     assert losses.masked_mean(x, torch.zeros_like(mask)).item() == 0.0
 
 
+def test_a_shared_count_makes_the_parts_add_up_to_the_whole():
+    mask, rand, _ = _batch()
+    logp, old, adv, values, returns = rand(), rand(), rand(), rand(), rand()
+    n = mask.sum()
+    whole = losses.policy_loss(logp, old, adv, mask)[0], losses.value_loss(values, old, returns, mask)
+    halves = [(losses.policy_loss(logp[s], old[s], adv[s], mask[s], count=n)[0],
+               losses.value_loss(values[s], old[s], returns[s], mask[s], count=n))
+              for s in (slice(0, 1), slice(1, 4))]  # unequal token counts per part
+    assert (halves[0][0] + halves[1][0]).item() == pytest.approx(whole[0].item(), rel=1e-9)
+    assert (halves[0][1] + halves[1][1]).item() == pytest.approx(whole[1].item(), rel=1e-9)
+
+
 def test_pairwise_and_end_scores():
     c, r = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
     want = sum(_sigmoid_loss(a - b) for a, b in zip(c.tolist(), r.tolist())) / 5
