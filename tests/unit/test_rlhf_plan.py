@@ -1,0 +1,43 @@
+"""Which steps run, and a step without the outputs it starts from as one line naming the step to run."""
+
+import pytest
+
+from polytrain.data import sort_task
+from polytrain.errors import ConfigError
+from polytrain.rlhf.plan import check_inputs, is_complete, mark_complete, parse_steps
+from polytrain.rlhf.task import builtin_tokenizer, task_data
+
+
+def test_parse_steps():
+    assert parse_steps("1,2,3") == ("sft", "reward", "ppo")
+    assert parse_steps("3, 1") == ("sft", "ppo")  # run order, whatever the order given
+    assert parse_steps("reward,grpo") == ("reward", "ppo")
+    for bad, message in (("4", "'4' is not a step"), ("", "names no step")):
+        with pytest.raises(ConfigError, match=message):
+            parse_steps(bad)
+
+
+def test_a_step_needs_the_steps_it_starts_from(tmp_path):
+    check_inputs(tmp_path, ("sft", "reward", "ppo"))  # all in one invocation: fine
+    with pytest.raises(ConfigError, match=r"step 3 \(ppo\) needs step 1 \(sft\).*--rlhf.steps 1,3$"):
+        check_inputs(tmp_path, ("ppo",))
+    mark_complete(tmp_path, "sft", {"step": 10})
+    assert is_complete(tmp_path, "sft")
+    with pytest.raises(ConfigError, match=r"step 3 \(ppo\) needs step 2 \(reward\), and .*reward holds no "
+                                          r"finished run; run it first: --rlhf.steps 2,3"):
+        check_inputs(tmp_path, ("ppo",))
+    mark_complete(tmp_path, "reward", {"step": 10})
+    check_inputs(tmp_path, ("ppo",))
+
+
+def test_builtin_task_data():
+    data = task_data([], None, seed=1, n_pairs=50, n_demos=20, noise=0.3)
+    demos, pairs = data.sources
+    assert demos.kind == "demos" and pairs.kind == "pairs" and len(pairs.rows) == 50
+    assert data.scorer is sort_task.task_score
+    tok = builtin_tokenizer(300)
+    row = pairs.rows[0]
+    assert tok.decode(tok.encode(row.prompt + row.chosen)) == row.prompt + row.chosen
+    assert len(tok.encode(row.chosen)) == len(row.chosen.split())  # one token per " d"
+    weighted = task_data([], [2.0, 1.0], seed=1, n_pairs=50, n_demos=20, noise=0.3)
+    assert [s.weight for s in weighted.sources] == [2.0, 1.0]
