@@ -97,3 +97,44 @@ def test_token_blend_needs_one_sequence_length(tmp_path):
     c = TokenDataset(tmp_path / "a.bin", "<u2", seq_len=8)
     with pytest.raises(ConfigError, match="different sequence lengths"):
         TokenBlend([a, c], [1, 1], seed=0)
+
+
+def _texts(tmp_path, name, word, n):
+    import json
+
+    path = tmp_path / name
+    path.write_text("".join(json.dumps({"text": f"{word} {i} " * 30}) + "\n" for i in range(n)))
+    return str(path)
+
+
+def test_prepare_blend_tokenizes_every_source_with_one_tokenizer(tmp_path):
+    from polytrain.config import DataConfig
+    from polytrain.data import prepare_to
+    from polytrain.data.blended import prepare_blend
+
+    cfg = DataConfig(seq_len=16, val_fraction=0.2)
+    a, b = _texts(tmp_path, "a.jsonl", "alpha", 20), _texts(tmp_path, "b.jsonl", "omega", 20)
+    corpus = prepare_blend([Source(a, 3.0), Source(b, 1.0)], cfg, 300, seed=0, cache_dir=tmp_path / "cache")
+    fingerprints = {p.tokenizer.fingerprint for p in corpus.parts}
+    assert len(fingerprints) == 1  # one BPE trained on both
+    tok = corpus.tokenizer
+    drawn = corpus.train.get_batch(range(len(corpus.train)))[0]
+    alpha = sum("alpha" in tok.decode(row) for row in drawn)
+    counts = corpus.train.blend.counts
+    assert alpha == counts[0] and counts[0] == round(0.75 * sum(counts))  # 3:1
+    assert len(corpus.val) > 0
+    # Prepared .bin files bring their tokenizer; a text source is tokenized with it.
+    out = tmp_path / "a.bin"
+    prepare_to(a, out, vocab_size=300, val_fraction=0.2, cache_dir=tmp_path / "cache")
+    mixed = prepare_blend([Source(str(out)), Source(b)], cfg, 300, seed=0, cache_dir=tmp_path / "cache")
+    assert {p.tokenizer.fingerprint for p in mixed.parts} == {load_fp(out)}
+    other = tmp_path / "b.bin"
+    prepare_to(b, other, vocab_size=290, val_fraction=0.2, cache_dir=tmp_path / "cache")  # another BPE
+    with pytest.raises(ConfigError, match="is not the tokenizer .*b.bin was prepared with"):
+        prepare_blend([Source(str(out)), Source(str(other))], cfg, 300, seed=0, cache_dir=tmp_path / "cache")
+
+
+def load_fp(path):
+    from polytrain.data import load_prepared
+
+    return load_prepared(path).tokenizer.fingerprint
