@@ -13,6 +13,7 @@ from polytrain.distributed.tensor_parallel.context import TPContext, shard_range
 from polytrain.distributed.tensor_parallel.cross_entropy import (
     vocab_parallel_cross_entropy,
     vocab_parallel_loss,
+    vocab_parallel_token_logprobs,
 )
 from polytrain.distributed.tensor_parallel.plan import (
     Column,
@@ -33,4 +34,5 @@ __all__ = [
     "Column", "ColumnTable", "Context", "Norm", "Plan", "Region", "ResidualTable", "Root", "Row",
     "TPContext", "VocabEmbedding", "VocabHead",
     "parallelize_tp", "shard_range", "shard_sizes", "vocab_parallel_cross_entropy", "vocab_parallel_loss",
+    "vocab_parallel_token_logprobs",
 ]

@@ -101,6 +101,14 @@ class TPContext:
 
         return vocab_parallel_loss(self.mesh, vocab_size)
 
+    def logprob_fn(self, vocab_size: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """(logits (B, T, V/tp), targets (B, T)) -> log p(targets) (B, T), equal on every rank."""
+        from polytrain.distributed.tensor_parallel.cross_entropy import vocab_parallel_token_logprobs
+
+        start, _ = shard_range(vocab_size, self.mesh.size(), self.mesh.get_local_rank())
+        group = self.mesh.get_group()
+        return lambda logits, targets: vocab_parallel_token_logprobs(logits, targets, start, group)
+
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """Into a tensor-parallel region: (B, T/tp, D) all-gathered under SP, else (B, T, D) as is.
 
