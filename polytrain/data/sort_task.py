@@ -1,4 +1,4 @@
-"""The built-in RLHF task: sort a list of digits. A program knows the right answer.
+"""The built-in RLHF task: sort a list of distinct digits. A program knows the right answer.
 
     prompt    " Human: sort 3 1 4 1 5 Assistant:"
     response  " 1 1 3 4 5"
@@ -9,8 +9,9 @@ files. Each seed gives the same rows on every machine.
 
 - preference rows {prompt, chosen, rejected}: chosen is the sorted list; rejected is a
   typical mistake: two unequal neighbours swapped, a digit dropped or repeated, or a
-  digit replaced by another that keeps the list in order (only the prompt shows it wrong:
-  a reward model that ignores the prompt would be hacked by sorted nonsense).
+  digit replaced by another that keeps the list in order where one exists (only the
+  prompt then shows it wrong: a reward model that ignores the prompt would be hacked by
+  sorted nonsense).
 - demonstration rows {prompt, response} (SFT only): an imperfect demonstrator that makes
   one of those mistakes in a share `noise` of its answers, so that imitation alone
   leaves room for the reward model and step 3 to improve on.
@@ -78,7 +79,10 @@ def mistake(answer: list[int], rng: random.Random) -> list[int]:
 
 
 def _digits(rng: random.Random, min_len: int, max_len: int) -> list[int]:
-    return [rng.randrange(10) for _ in range(rng.randint(min_len, max_len))]
+    # Distinct digits: a right answer is then strictly increasing and made of the prompt's digits,
+    # which a small reward model can check; with repeats it must count, and a policy finds its
+    # miscounts (reward hacking) before it finds the answers.
+    return rng.sample(range(10), rng.randint(min_len, max_len))
 
 
 def preference_rows(n: int, seed: int, min_len: int = 3, max_len: int = 6) -> list[dict[str, str]]:
