@@ -8,10 +8,10 @@ responses start with a space), so the task runs through the same data path as a 
 files. Each seed gives the same rows on every machine.
 
 - preference rows {prompt, chosen, rejected}: chosen is the sorted list; rejected is a
-  typical mistake: two unequal neighbours swapped, a digit dropped or repeated, or a
-  digit replaced by another that keeps the list in order where one exists (only the
-  prompt then shows it wrong: a reward model that ignores the prompt would be hacked by
-  sorted nonsense).
+  typical mistake: two neighbours swapped, a digit dropped or repeated, a digit the
+  prompt lacks inserted in order, or a digit replaced by another that keeps the list in
+  order where one exists. The last two leave the list increasing, so only the prompt
+  shows them wrong: a reward model that ignores the prompt is hacked by sorted nonsense.
 - demonstration rows {prompt, response} (SFT only): an imperfect demonstrator that makes
   one of those mistakes in a share `noise` of its answers, so that imitation alone
   leaves room for the reward model and step 3 to improve on.
@@ -26,7 +26,7 @@ import re
 
 PROMPT = " Human: sort {digits} Assistant:"
 _PROMPT_RE = re.compile(r"sort((?: \d)+) Assistant:\s*$")
-MISTAKES = ("swap", "drop", "repeat", "replace")
+MISTAKES = ("swap", "drop", "repeat", "replace", "insert")
 
 
 def _format(digits: list[int]) -> str:
@@ -74,6 +74,13 @@ def mistake(answer: list[int], rng: random.Random) -> list[int]:
             low, high = (out[i - 1] if i else 0), (out[i + 1] if i + 1 < len(out) else 9)
             keeps_order = [d for d in range(low, high + 1) if d != out[i]]
             out[i] = rng.choice(keeps_order or [d for d in range(10) if d != out[i]])
+        elif kind == "insert":
+            # A digit the prompt does not hold, in its sorted place: still increasing.
+            absent = [d for d in range(10) if d not in out]
+            if not absent:
+                continue
+            d = rng.choice(absent)
+            out = sorted(out + [d])
         if out != answer:
             return out
 
