@@ -54,6 +54,15 @@ def mark_complete(run_dir: Path, step: str, summary: dict[str, Any]) -> None:
     write_text_atomic(step_dir(run_dir, step) / COMPLETE, json.dumps(summary, indent=1) + "\n")
 
 
+def chat_dir(run_dir: Path) -> Path | None:
+    """The run directory `polytrain chat runs/<name>` talks to: step 3's actor, else step 1's; None
+    when neither step has finished."""
+    for step in ("ppo", "sft"):
+        if is_complete(run_dir, step):
+            return step_dir(run_dir, step)
+    return None
+
+
 def check_inputs(run_dir: Path, steps: tuple[str, ...]) -> None:
     """ConfigError when a step to run needs a step that is neither finished nor in `steps`."""
     for step in steps:

@@ -4,7 +4,7 @@ import pytest
 
 from polytrain.data import sort_task
 from polytrain.errors import ConfigError
-from polytrain.rlhf.plan import check_inputs, is_complete, mark_complete, parse_steps
+from polytrain.rlhf.plan import chat_dir, check_inputs, is_complete, mark_complete, parse_steps
 from polytrain.rlhf.task import builtin_tokenizer, task_data
 
 
@@ -28,6 +28,10 @@ def test_a_step_needs_the_steps_it_starts_from(tmp_path):
         check_inputs(tmp_path, ("ppo",))
     mark_complete(tmp_path, "reward", {"step": 10})
     check_inputs(tmp_path, ("ppo",))
+    assert chat_dir(tmp_path) == tmp_path / "sft"  # chat talks to the newest finished actor
+    mark_complete(tmp_path, "ppo", {"step": 10})
+    assert chat_dir(tmp_path) == tmp_path / "ppo"
+    assert chat_dir(tmp_path / "elsewhere") is None
 
 
 def test_builtin_task_data():
