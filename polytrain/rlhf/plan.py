@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from polytrain.data.atomic import write_text_atomic
+from polytrain.io.atomic import write_text_atomic
 from polytrain.errors import ConfigError
 
 STEPS = ("sft", "reward", "ppo")

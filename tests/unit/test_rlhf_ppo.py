@@ -5,7 +5,8 @@ import copy
 import pytest
 import torch
 
-from polytrain.config import Config, model_config, resolve_model
+from polytrain.config import Config
+from polytrain.models.registry import model_config, resolve_model
 from polytrain.distributed.materialize import materialize
 from polytrain.models import ARCHITECTURES
 from polytrain.rlhf import losses

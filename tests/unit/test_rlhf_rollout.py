@@ -2,7 +2,8 @@
 
 import torch
 
-from polytrain.config import Config, model_config, resolve_model
+from polytrain.config import Config
+from polytrain.models.registry import model_config, resolve_model
 from polytrain.distributed.materialize import materialize
 from polytrain.models import ARCHITECTURES
 from polytrain.rlhf.rollout import Sampling, rollout

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from polytrain.config import model_config, resolve_model
+from polytrain.models.registry import model_config, resolve_model
 from polytrain.distributed.materialize import materialize
 from polytrain.errors import ConfigError
 from polytrain.models import ARCHITECTURES

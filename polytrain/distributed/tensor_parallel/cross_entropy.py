@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from polytrain.distributed.collectives import all_reduce
-from polytrain.distributed.tensor_parallel.context import shard_range
+from polytrain.distributed.tensor_parallel.shards import shard_range
 
 IGNORE = -100
 
@@ -91,3 +91,14 @@ def vocab_parallel_loss(mesh: DeviceMesh, vocab_size: int) -> Callable[[torch.Te
         return vocab_parallel_cross_entropy(logits, targets, start, group)
 
     return loss_fn
+
+
+def vocab_parallel_logprobs(mesh: DeviceMesh, vocab_size: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(logits (B, T, V/tp), targets (B, T)) -> log p(targets) (B, T) on the tp mesh, equal on all tp ranks."""
+    start, _ = shard_range(vocab_size, mesh.size(), mesh.get_local_rank())
+    group = mesh.get_group()
+
+    def logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_token_logprobs(logits, targets, start, group)
+
+    return logprobs
