@@ -22,7 +22,7 @@ from typing import Any
 
 import tomllib
 
-from polytrain.config.schema import SECTIONS, Config, TrainConfig, all_keys, field_docs
+from polytrain.config.schema import SECTIONS, Config, RLHFConfig, TrainConfig, all_keys, field_docs
 from polytrain.errors import ConfigError
 
 
@@ -185,6 +185,26 @@ def validate(cfg: Config) -> None:
         )
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 0:
         raise ConfigError("checkpoint.every and checkpoint.keep must be >= 0")
+    _validate_rlhf(cfg.rlhf)
+
+
+def _validate_rlhf(r: RLHFConfig) -> None:
+    """Ranges of the rlhf keys; the step list, sources and split are checked where `polytrain rlhf` reads them."""
+    for key in ("max_prompt_len", "max_new_tokens", "task_pairs", "task_demos"):
+        if getattr(r, key) <= 0:
+            raise ConfigError(f"rlhf.{key} = {getattr(r, key)} must be positive")
+    for key in ("kl_coef", "reward_clip", "policy_clip", "value_clip", "grpo_kl_coef", "ptx_coef", "temperature"):
+        if getattr(r, key) < 0:
+            raise ConfigError(f"rlhf.{key} = {getattr(r, key)} must be >= 0")
+    for key in ("gamma", "lam", "top_p", "ema_beta"):
+        if not 0 <= getattr(r, key) <= 1:
+            raise ConfigError(f"rlhf.{key} = {getattr(r, key)} must be in [0, 1]")
+    if r.top_k < 0:
+        raise ConfigError(f"rlhf.top_k = {r.top_k} must be >= 0 (0 = all tokens)")
+    if r.group_size < 2:
+        raise ConfigError(f"rlhf.group_size = {r.group_size} must be at least 2 (GRPO compares samples of a prompt)")
+    if not 0 <= r.task_noise < 1:
+        raise ConfigError(f"rlhf.task_noise = {r.task_noise} must be in [0, 1)")
 
 
 def _validate_optimizer(t: TrainConfig) -> None:

@@ -45,3 +45,19 @@ def test_builtin_task_data():
     assert len(tok.encode(row.chosen)) == len(row.chosen.split())  # one token per " d"
     weighted = task_data([], [2.0, 1.0], seed=1, n_pairs=50, n_demos=20, noise=0.3)
     assert [s.weight for s in weighted.sources] == [2.0, 1.0]
+
+
+def test_rlhf_keys_load_from_the_command_line_and_fail_one_line_each():
+    from polytrain.config import load_config, to_toml
+
+    cfg = load_config(None, ["--rlhf.steps", "3", "--rlhf.data", "a.jsonl,b.jsonl", "--rlhf.data_weights", "2,1",
+                             "--rlhf.data_split", "1,1,1", "--rlhf.algorithm", "grpo"])
+    assert (cfg.rlhf.steps, cfg.rlhf.data, cfg.rlhf.algorithm) == ("3", "a.jsonl,b.jsonl", "grpo")
+    assert cfg.rlhf.kl_coef == 0.1 and cfg.rlhf.lam == 0.95 and cfg.rlhf.reward_clip == 5.0  # DeepSpeed-Chat's
+    assert "[rlhf]" in to_toml(cfg)
+    for args, message in ((["--rlhf.group_size", "1"], "rlhf.group_size = 1 must be at least 2"),
+                          (["--rlhf.lam", "1.5"], r"rlhf.lam = 1.5 must be in \[0, 1\]"),
+                          (["--rlhf.algorithm", "dpo"], "rlhf.algorithm = 'dpo' is not one of"),
+                          (["--rlhf.max_new_tokens", "0"], "rlhf.max_new_tokens = 0 must be positive")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, args)
