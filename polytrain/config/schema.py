@@ -101,6 +101,8 @@ class ModelConfig:
 class DataConfig:
     source: str = "stdlib"
     """'stdlib' (the .py sources of the running Python) or a path: .txt, .jsonl (field text), prepared .bin."""
+    sources: str = field(default="", metadata={"sources": True})
+    """Several corpora blended by weight in place of source (left at stdlib): TOML [{path = "...", weight = W}, ...] or "PATH:W,..."."""
     tokenizer: str = "bpe"
     """'bpe' (byte-level BPE trained on the corpus and cached) or a path to a tokenizer.json."""
     seq_len: int = 256

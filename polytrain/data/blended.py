@@ -1,7 +1,7 @@
 """Pre-training on several corpora blended by weight (`data.sources`), as Megatron blends datasets.
 
-    corpus = prepare_blend(parse_sources(cfg_value, "data.sources"), cfg.data, vocab_size, seed)
-    train, val = corpus.train, corpus.val          # TokenBlends: TokenDataset's interface
+    windows = training_windows(cfg.data, vocab_size, seed)   # data.sources, else data.source alone
+    windows.train, windows.val, windows.tokenizer            # TokenDataset's interface either way
 
 Every source is anything `data.source` accepts (a prepared .bin, a .txt/.jsonl file or
 directory, 'stdlib'), tokenized once and cached like a single source, all with one
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from polytrain.config import DataConfig
-from polytrain.data.blend import Source, TokenBlend
+from polytrain.data.blend import Source, TokenBlend, parse_sources
 from polytrain.data.cache import _resolve_tokenizer, default_cache_dir, prepare_corpus
 from polytrain.data.corpus import Corpus, Document, open_corpus
 from polytrain.data.packed import PreparedCorpus, TokenDataset, load_prepared
@@ -27,12 +27,24 @@ from polytrain.errors import ConfigError
 
 
 @dataclass
-class BlendedCorpus:
-    train: TokenBlend
-    val: TokenBlend
+class Windows:
+    """A run's training and validation windows and the tokenizer that made them."""
+
+    train: TokenDataset | TokenBlend
+    val: TokenDataset | TokenBlend
     tokenizer: Tokenizer
     parts: list[PreparedCorpus]
     """Each source's prepared token files, in source order."""
+
+
+def training_windows(data_cfg: DataConfig, vocab_size: int, seed: int, cache_dir: Path | None = None) -> Windows:
+    """The windows of `data.sources` blended by weight when it is set, else of `data.source`."""
+    if data_cfg.sources:
+        return prepare_blend(parse_sources(data_cfg.sources, "data.sources"), data_cfg, vocab_size, seed, cache_dir)
+    prepared = prepare_corpus(data_cfg, vocab_size, cache_dir)
+    seq = data_cfg.seq_len
+    return Windows(TokenDataset(prepared.train_path, prepared.dtype, seq),
+                   TokenDataset(prepared.val_path, prepared.dtype, seq), prepared.tokenizer, [prepared])
 
 
 def _union(corpora: list[Corpus]) -> Corpus:
@@ -62,7 +74,7 @@ def shared_tokenizer(sources: list[Source], data_cfg: DataConfig, vocab_size: in
 
 
 def prepare_blend(sources: list[Source], data_cfg: DataConfig, vocab_size: int, seed: int,
-                  cache_dir: Path | None = None) -> BlendedCorpus:
+                  cache_dir: Path | None = None) -> Windows:
     """Every source tokenized (cached) with the shared tokenizer, train and val windows blended."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     tokenizer = shared_tokenizer(sources, data_cfg, vocab_size, cache)
@@ -74,4 +86,4 @@ def prepare_blend(sources: list[Source], data_cfg: DataConfig, vocab_size: int, 
         sets = [TokenDataset(p.train_path if side == "train" else p.val_path, p.dtype, seq) for p in parts]
         return TokenBlend(sets, weights, seed, names=names, key="data.sources")
 
-    return BlendedCorpus(windows("train"), windows("val"), parts[0].tokenizer, parts)
+    return Windows(windows("train"), windows("val"), parts[0].tokenizer, parts)
