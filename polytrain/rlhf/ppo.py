@@ -1,9 +1,9 @@
 """One step of step 3, as DeepSpeed-Chat runs it: experience from a rollout, then the actor's and the critic's losses.
 
     rollout = rollout(actor, prompts, ...)                         # rollout.py
-    exp = make_experience(rollout, models, settings)               # one no-grad pass of the four models
-    loss, stats = actor_objective(models.actor, exp, settings, count)      # backward, step
-    value = critic_objective(models.critic, exp, settings, count)          # backward, step (PPO only)
+    exp = make_experience(rollout, models, cfg.rlhf)               # one no-grad pass of the four models
+    loss, stats = actor_objective(models.actor, exp, cfg.rlhf, count)      # backward, step
+    value = critic_objective(models.critic, exp, cfg.rlhf, count)          # backward, step (PPO only)
 
 PPO: per-token rewards -kl_coef (log pi - log pi_ref) with the clipped reward-model score
 at the last response token, GAE advantages against the critic's values, PPO's clipped
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from polytrain.config import RLHFConfig
 from polytrain.rlhf import losses
 from polytrain.rlhf.rollout import Rollout
 
@@ -35,21 +36,6 @@ LogprobFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 def plain_logprobs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Log-probabilities from a model that returns whole logits (B, T - 1, V)."""
     return losses.token_logprobs(model(ids[:, :-1]), ids[:, 1:])
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Step 3's hyperparameters (the rlhf.* keys); defaults are DeepSpeed-Chat's."""
-
-    algorithm: str = "ppo"
-    kl_coef: float = 0.1
-    reward_clip: float = 5.0
-    gamma: float = 1.0
-    lam: float = 0.95
-    policy_clip: float = 0.2
-    value_clip: float = 0.2
-    group_size: int = 4
-    grpo_kl_coef: float = 0.04
 
 
 @dataclass
@@ -84,7 +70,7 @@ class Experience:
 
 
 @torch.no_grad()
-def make_experience(rollout: Rollout, models: Models, settings: Settings) -> Experience:
+def make_experience(rollout: Rollout, models: Models, settings: RLHFConfig) -> Experience:
     """The no-grad pass: actor and reference log-probabilities, the reward score, critic values, advantages."""
     ids, mask = rollout.ids, rollout.mask
     old = models.logprobs(models.actor, ids)
@@ -100,7 +86,7 @@ def make_experience(rollout: Rollout, models: Models, settings: Settings) -> Exp
     return Experience(rollout, old, ref, scores, adv, values, returns)
 
 
-def actor_objective(actor: nn.Module, exp: Experience, settings: Settings, count: float,
+def actor_objective(actor: nn.Module, exp: Experience, settings: RLHFConfig, count: float,
                     logprobs: LogprobFn = plain_logprobs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The actor's loss on this rank's rows (to backward) and its parts: policy_loss, clip_frac, (kl_loss)."""
     new = logprobs(actor, exp.rollout.ids)
@@ -114,7 +100,7 @@ def actor_objective(actor: nn.Module, exp: Experience, settings: Settings, count
     return loss, stats
 
 
-def critic_objective(critic: nn.Module, exp: Experience, settings: Settings, count: float) -> torch.Tensor:
+def critic_objective(critic: nn.Module, exp: Experience, settings: RLHFConfig, count: float) -> torch.Tensor:
     """The critic's clipped value loss on this rank's rows."""
     values = critic(exp.rollout.ids)[:, :-1]
     return losses.value_loss(values, exp.old_values, exp.returns, exp.mask, settings.value_clip, count)

@@ -10,7 +10,8 @@ from polytrain.models.registry import model_config, resolve_model
 from polytrain.distributed.materialize import materialize
 from polytrain.models import ARCHITECTURES
 from polytrain.rlhf import losses
-from polytrain.rlhf.ppo import Models, Settings, actor_objective, critic_objective, make_experience, sequence_kl
+from polytrain.config import RLHFConfig
+from polytrain.rlhf.ppo import Models, actor_objective, critic_objective, make_experience, sequence_kl
 from polytrain.rlhf.rollout import Sampling, rollout
 from polytrain.rlhf.value_head import attach_scalar_head
 
@@ -40,7 +41,7 @@ def setup():
 
 def test_ppo_experience_and_losses(setup):
     models, roll = setup
-    exp = make_experience(roll, models, Settings())
+    exp = make_experience(roll, models, RLHFConfig())
     mask = roll.mask
     assert torch.equal(exp.old_logprobs, exp.ref_logprobs)  # the reference starts as the actor
     assert sequence_kl(exp).abs().max() == 0
@@ -49,11 +50,11 @@ def test_ppo_experience_and_losses(setup):
     torch.testing.assert_close(exp.returns, (exp.advantages + exp.old_values) * mask)
     assert (exp.advantages[~mask] == 0).all() and (exp.advantages[mask] != 0).any()
     count = float(mask.sum())
-    loss, stats = actor_objective(models.actor, exp, Settings(), count)
+    loss, stats = actor_objective(models.actor, exp, RLHFConfig(), count)
     # On-policy, ratio 1: the surrogate is -mean(A) and nothing is clipped.
     assert loss.item() == pytest.approx(-losses.masked_mean(exp.advantages, mask).item(), rel=1e-4, abs=1e-6)
     assert stats["clip_frac"].item() == 0
-    value = critic_objective(models.critic, exp, Settings(), count)
+    value = critic_objective(models.critic, exp, RLHFConfig(), count)
     want = 0.5 * losses.masked_mean((exp.old_values - exp.returns) ** 2, mask)
     assert value.item() == pytest.approx(want.item(), rel=1e-4)
 
@@ -61,9 +62,9 @@ def test_ppo_experience_and_losses(setup):
 def test_a_step_raises_the_likelihood_of_advantaged_tokens(setup):
     models, roll = setup
     actor = copy.deepcopy(models.actor)
-    exp = make_experience(roll, Models(actor, models.reference, models.reward, models.critic), Settings())
+    exp = make_experience(roll, Models(actor, models.reference, models.reward, models.critic), RLHFConfig())
     opt = torch.optim.SGD(actor.parameters(), lr=0.5)
-    loss, _ = actor_objective(actor, exp, Settings(), float(roll.mask.sum()))
+    loss, _ = actor_objective(actor, exp, RLHFConfig(), float(roll.mask.sum()))
     loss.backward()
     opt.step()
     with torch.no_grad():
@@ -74,7 +75,7 @@ def test_a_step_raises_the_likelihood_of_advantaged_tokens(setup):
 
 def test_grpo_experience_normalises_within_groups(setup):
     models, roll = setup
-    settings = Settings(algorithm="grpo", group_size=2)
+    settings = RLHFConfig(algorithm="grpo", group_size=2)
     exp = make_experience(roll, Models(models.actor, models.reference, models.reward), settings)
     per_sample = torch.stack([exp.advantages[b][roll.mask[b]][0] for b in range(4)])  # one value per row
     assert torch.allclose(per_sample.view(2, 2).sum(1), torch.zeros(2), atol=1e-5)
