@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from polytrain.backend import get_accelerator
 from polytrain.backend.base import Accelerator
-from polytrain.backend.compat import devices, dist, extensions, facade
+from polytrain.backend.compat import amp, bindings, devices, dist, extensions, facade, mode
 from polytrain.backend.compat.patcher import Patcher
 from polytrain.errors import CompatError
 
@@ -77,12 +77,15 @@ def install(accelerator: Accelerator | None = None) -> Shim | None:
     patcher = Patcher()
     try:
         dm = devices.DeviceMap(acc)
-        facade.install(patcher, dm)
+        cuda = facade.install(patcher, dm)
         devices.install(patcher, dm)
+        amp.install(patcher, dm)
+        bindings.install(patcher, dm, cuda)
         dist.install(patcher, dm)
         extensions.install(patcher, acc.name)
         shim = Shim(acc, patcher)
         shim.rebound = patcher.rebind_imported_names()
+        mode.install(patcher, dm)  # last: nothing above may run torch calls under it half-built
     except BaseException:
         patcher.undo()  # never leave torch half-patched
         raise
