@@ -22,8 +22,9 @@ def peer_python(peer: str) -> str:
                 f"virtualenv made as .ci/peer_envs.sh makes it")
 
 
-def polytrain_run(python: str, argv: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
+def polytrain_run(python: str, argv: list[str], cwd: Path = ROOT,
+                  timeout: float = 900) -> subprocess.CompletedProcess:
     """`polytrain run ARGV` with the peer's python and this checkout's polytrain."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.run([python, "-m", "polytrain.cli", "run", *argv], capture_output=True,
-                          text=True, env=env, timeout=timeout, cwd=ROOT)
+                          text=True, env=env, timeout=timeout, cwd=cwd)
