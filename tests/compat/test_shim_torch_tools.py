@@ -105,3 +105,30 @@ def test_cuda_only_bindings_stand_in_or_fail_in_one_line(shim):
         torch._C._cuda_cudaHostAllocator
     with pytest.raises(AttributeError, match="no attribute '_no_such_binding'"):
         torch._C._no_such_binding
+
+
+def test_mapping_reaches_backward_callbacks_and_new_threads(shim):
+    import threading
+
+    class AllGatherLike(torch.autograd.Function):  # Megatron-style: allocates in backward
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2 + torch.zeros(grad.shape, device=torch.cuda.current_device())
+
+    param = torch.nn.Parameter(torch.ones(3, device="cuda"))
+    seen = []
+    param.register_post_accumulate_grad_hook(  # DeepSpeed's ZeRO bucket hook
+        lambda p: seen.append(torch.empty(2, device="cuda").device.type))
+    param.register_hook(lambda g: seen.append(torch.ones(1, device="cuda:0").device.type))
+    AllGatherLike.apply(param).sum().backward()
+    assert torch.equal(param.grad, torch.full((3,), 2.0)) and seen == ["cpu", "cpu"]
+
+    made = []
+    worker = threading.Thread(target=lambda: made.append(torch.zeros(1, device="cuda").device))
+    worker.start()
+    worker.join()
+    assert made == [torch.device("cpu")]

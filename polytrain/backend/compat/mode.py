@@ -10,10 +10,14 @@ graph; the compiled code never calls the mode again).
 
 The mode is pushed once per thread: at install for the thread that installs it, and by
 `enter_in_new_threads` for each thread started afterwards (torch's mode stack is thread-local).
+The autograd engine runs Python callbacks (custom Functions' backward, gradient hooks) with an
+empty mode stack, so `enter_in_backward` puts the mode back for them: DeepSpeed's gradient
+hooks and Megatron's backward passes allocate on "cuda" too.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Callable
 
@@ -98,7 +102,33 @@ def install(p: Patcher, dm: DeviceMap) -> CudaDeviceMode:
     torch._C._push_on_torch_function_stack(mode)
     p.on_undo(lambda: _remove(mode))
     enter_in_new_threads(p, mode)
+    enter_in_backward(p, mode)
     return mode
+
+
+def enter_in_backward(p: Patcher, mode: CudaDeviceMode) -> None:
+    """Run what the autograd engine calls back into Python with the mode on the stack."""
+    def entered(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if any(m is mode for m in torch.overrides._get_current_function_mode_stack()):
+                return fn(*args, **kwargs)
+            torch._C._push_on_torch_function_stack(mode)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _remove(mode)
+        return run
+
+    # Every custom autograd.Function's backward goes through BackwardCFunction.apply.
+    p.wrap(torch.autograd.function.BackwardCFunction, "apply", entered)
+    for name in ("register_hook", "register_post_accumulate_grad_hook"):
+        def register(original: Callable) -> Callable:
+            @functools.wraps(original)
+            def wrapper(self: torch.Tensor, hook: Callable) -> Any:
+                return original(self, entered(hook))
+            return wrapper
+        p.wrap(_Tensor, name, register)
 
 
 def enter_in_new_threads(p: Patcher, mode: CudaDeviceMode) -> None:
