@@ -3,7 +3,8 @@
 
 A CPU (or XPU, NPU, ...) build of torch has none of them, and some libraries read them at import,
 before any tensor exists. The policy (docs/COMPAT.md, "Private bindings"):
-1. Stand-ins, where the binding's meaning carries over (`STANDINS`): the device index calls act
+1. Stand-ins, where the binding's meaning carries over (`standins`; docs/COMPAT.md lists the
+   libraries that need each): the device index calls act
    on the shim's torch.cuda; the raw stream handle is the accelerator's own where it has one
    (`torch._C._xpu_getCurrentRawStream`, ...), else 0, CUDA's handle for the default stream,
    which is the only stream of a device without queues.
@@ -25,13 +26,6 @@ from polytrain.backend.compat.patcher import Patcher
 from polytrain.backend.compat.standins import UnmappedAttributeError
 
 _PREFIXES = ("_cuda", "_nccl", "_cudnn", "_cudart", "_cufft", "_cusparse", "_cublas")
-# Known users of each stand-in (the compatibility fix list in docs/COMPAT.md).
-USERS = {
-    "_cuda_getCurrentRawStream": "bitsandbytes (at import), Triton launchers",
-    "_cuda_setDevice": "torch.cuda.set_device's own implementation, torchtitan",
-    "_cuda_getDevice": "torch.cuda.current_device's own implementation",
-    "_cuda_isInBadFork": "accelerate, torch.multiprocessing checks",
-}
 
 
 def standins(dm: DeviceMap, cuda: Any) -> dict[str, Callable]:
