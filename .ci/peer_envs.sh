@@ -5,14 +5,27 @@
 #                   with --no-deps beside the runtime dependencies Booster, HybridParallelPlugin
 #                   and LowLevelZeroPlugin import (peft, galore_torch with bitsandbytes, ...)
 #   DIR/torchtitan  torchtitan 0.3.0 with triton; its wandb/pyrefly/dev extras are not used
-# Both run on the CPU torch polytrain is tested with. Prints, for the tests, the lines
+# Both run on the CPU torch polytrain is tested with, from the environment this script runs in
+# (`python`, the CI venv): each venv reads that environment's site-packages after its own (a .pth
+# line), so torch and the packages nobody pins differently are not installed again, and what a
+# peer pins (transformers 4.51.3, huggingface_hub < 1, ...) shadows the base's copy. Prints, for
+# the tests, the lines
 #   export POLYTRAIN_COLOSSALAI_PYTHON=DIR/colossalai/bin/python
 #   export POLYTRAIN_TORCHTITAN_PYTHON=DIR/torchtitan/bin/python
 # Usage: eval "$(bash .ci/peer_envs.sh DIR)"
 set -euo pipefail
 dir=$(realpath -m "${1:?usage: peer_envs.sh DIR}")
-torch=torch==2.13.0
 quiet=(--quiet --disable-pip-version-check)
+base=$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+python -c 'import torch; assert torch.__version__.startswith("2.13.0")' \
+    || { echo "peer_envs: run it from the environment with torch 2.13.0 (the CI venv)" >&2; exit 1; }
+
+venv() {  # NAME: a venv that sees the base environment's packages after its own
+    python -m venv "$dir/$1"
+    local site
+    site=$("$dir/$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    echo "$base" > "$site/polytrain_ci_base.pth"
+}
 
 timed() {  # NAME COMMAND...: run, and report the wall time on stderr
     local name=$1 start=$SECONDS
@@ -22,9 +35,9 @@ timed() {  # NAME COMMAND...: run, and report the wall time on stderr
 }
 
 colossalai() {
-    python3 -m venv "$dir/colossalai"
+    venv colossalai
     local pip=("$dir/colossalai/bin/pip" install "${quiet[@]}")
-    "${pip[@]}" "$torch" transformers==4.51.3 accelerate==1.15.0 galore-torch==1.0 \
+    "${pip[@]}" transformers==4.51.3 accelerate==1.15.0 galore-torch==1.0 \
         bitsandbytes==0.50.2 psutil einops packaging numpy tqdm safetensors
     "${pip[@]}" --no-deps peft==0.13.2
     # An sdist: BUILD_EXT unset builds no CUDA kernels; setuptools comes with the venv.
@@ -32,9 +45,9 @@ colossalai() {
 }
 
 torchtitan() {
-    python3 -m venv "$dir/torchtitan"
+    venv torchtitan
     local pip=("$dir/torchtitan/bin/pip" install "${quiet[@]}")
-    "${pip[@]}" "$torch" triton==3.6.0 torchdata==0.11.0 "datasets==4.7.0" tokenizers \
+    "${pip[@]}" triton==3.6.0 torchdata==0.11.0 "datasets==4.7.0" tokenizers \
         safetensors tyro==1.0.17 einops tensorboard spmd_types==0.2.3 torch_checkpointing==0.1.1
     "${pip[@]}" --no-deps torchtitan==0.3.0
 }

@@ -10,8 +10,8 @@ script and the port in turn, and takes the ratio per round so drift in the machi
 both sides alike. Two figures per run:
 - wall: the median step time the script reports after `--warmup` steps (compilation and
   first-touch allocation) -- the figure, on a quiet machine;
-- cpu: CPU seconds per step, from a run of `--iters` steps less one of `--warmup` steps (same
-  start-up and compilation), which other processes' load disturbs far less than wall time.
+- cpu: CPU time per step over the same steps, read from /proc, which other processes' load
+  disturbs far less than wall time (one thread: on a quiet machine the two agree).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import re
-import resource
 import statistics
 import subprocess
 import sys
@@ -37,25 +36,34 @@ CONFIG = ["--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--
 STEP = re.compile(r"iter (\d+): loss \S+, time (\S+)ms")
 
 
-def run(argv: list[str], iters: int, cache: str) -> tuple[list[float], float]:
-    """One run: (its step times in ms, the CPU seconds it used)."""
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": str(ROOT),
-           "OMP_NUM_THREADS": "1"}
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.run([sys.executable, *argv, *CONFIG, f"--max_iters={iters}"],
-                          capture_output=True, text=True, env=env, timeout=1800)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if proc.returncode != 0:
-        raise SystemExit(f"{argv[-1]} failed:\n{proc.stderr[-3000:]}")
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return [float(m[2]) for m in STEP.finditer(proc.stdout)], cpu
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time the process `pid` has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def measure(argv: list[str], iters: int, warmup: int, cache: str) -> tuple[float, float]:
-    """(median wall ms per step after warmup, CPU ms per step) of the program `argv`."""
-    times, cpu_long = run(argv, iters, cache)
-    _, cpu_short = run(argv, warmup, cache)
-    return statistics.median(times[warmup:]), (cpu_long - cpu_short) / (iters - warmup) * 1000
+    """(median wall ms per step after warmup, CPU ms per step over the same steps) of one run.
+
+    The CPU figure is read from /proc when the program reports the end of its warmup and of
+    its last step, so start-up and compilation are left out of it."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": str(ROOT),
+           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, *argv, *CONFIG, f"--max_iters={iters}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    times, cpu = [], {}
+    for line in proc.stdout:
+        step = STEP.search(line)
+        if step is None:
+            continue
+        times.append(float(step[2]))
+        if int(step[1]) in (warmup - 1, iters - 1):
+            cpu[int(step[1])] = _cpu_seconds(proc.pid)
+    stderr = proc.stderr.read()
+    if proc.wait() != 0 or len(cpu) != 2:
+        raise SystemExit(f"{argv[-1]} failed:\n{stderr[-3000:]}")
+    per_step = (cpu[iters - 1] - cpu[warmup - 1]) / (iters - warmup) * 1000
+    return statistics.median(times[warmup:]), per_step
 
 
 def main() -> None:
