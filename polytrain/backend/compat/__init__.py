@@ -6,6 +6,10 @@
 Users reach it through `polytrain run SCRIPT`, `python -m polytrain.compat SCRIPT` or
 `import polytrain.compat.auto`; docs/COMPAT.md says what is mapped and what is not.
 
+torch's own functions stay torch's: devices named in torch calls are mapped by a
+TorchFunctionMode (mode.py), so torch.compile, TorchScript and FX see the real functions, and
+every torch.cuda name that is a class upstream stays a class (facade.py, standins.py).
+
 The one policy everything follows: under the shim, torch.cuda *is* the active accelerator.
 `torch.cuda.is_available()` answers whether the accelerator is usable (always True on the CPU),
 `device_count()` how many devices it has (the CPU counts one per local rank), and every other
