@@ -21,6 +21,7 @@ def test_gpu_trainer_script_trains(tmp_path):
     losses = [float(x) for x in re.search(r"^losses (.*)$", proc.stdout, re.M)[1].split()]
     assert len(losses) == 12 and losses[-1] < losses[0] - 1.0, losses
     # The Trainer took its CUDA path (fp16 needs a GPU there) with a live loss scaler.
-    report = re.search(r"^device (\S+) fp16 (\w+) scaler (\w+) peak memory (\d+) MiB", proc.stdout, re.M)
+    report = re.search(r"^device (\S+) fp16 (\w+) scaler (\w+) peak memory (\d+) MiB",
+                       proc.stdout, re.M)
     assert report is not None, proc.stdout[-2000:]
     assert report.groups()[:3] == ("cuda:0", "True", "True") and int(report[4]) > 50

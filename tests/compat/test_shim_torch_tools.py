@@ -24,7 +24,8 @@ def test_torch_functions_and_tensor_methods_are_torchs_own(shim):
     assert {name: getattr(torch, name) for name in ORIGINALS} == ORIGINALS
     assert {name: getattr(torch.Tensor, name) for name in METHODS} == METHODS
     assert {name: getattr(torch.nn.Module, name) for name in MODULE_METHODS} == MODULE_METHODS
-    assert list(inspect.signature(torch.nn.Module.to_empty).parameters) == ["self", "device", "recurse"]
+    parameters = list(inspect.signature(torch.nn.Module.to_empty).parameters)
+    assert parameters == ["self", "device", "recurse"]
 
 
 def test_torchscript_compiles_functions_that_call_factories(shim):

@@ -30,6 +30,7 @@ from polytrain.backend.compat.devices import DeviceMap
 from polytrain.backend.compat.patcher import Patcher
 from polytrain.backend.compat.standins import reason_for, standin
 
+
 class CudaFacade(ModuleType):
     """A module standing in for torch.cuda or one of its submodules."""
 

@@ -1,7 +1,7 @@
 """Write the test assets torchtitan's debug configurations read, made here instead of downloaded:
 
     DIR/tests/assets/tokenizer/   tokenizer.json + tokenizer_config.json (a byte-level BPE of
-                                  2,000 tokens, under the llama3 debug model's 2,048-word vocabulary)
+                                  2,000 tokens, within the debug model's 2,048-word vocabulary)
     DIR/tests/assets/c4_test/     data.json: C4's record format, one {"text", "timestamp", "url"}
                                   object per line, which `datasets.load_dataset(DIR)` reads
 
