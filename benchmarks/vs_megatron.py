@@ -4,9 +4,11 @@
     python benchmarks/vs_megatron.py --size tiny --rounds 1 --steps 2 --warmup 1   # a check that it runs
     python benchmarks/vs_megatron.py --polytrain-args "--train.chunked_loss false"
 
-Megatron-Core (the `test` extra installs it) is written for CUDA and NCCL; both jobs run
+Megatron-Core (the `test` extra installs it) is written for CUDA and NCCL; its job runs
 under `polytrain run --nproc 2` (polytrain's CUDA wrapper, so Megatron runs unchanged on
-the CPU with gloo, as tests/compat/test_megatron.py does). Megatron's job is its own
+the CPU with gloo, as tests/compat/test_megatron.py does), polytrain's under torchrun
+(it needs no wrapper; `--polytrain-under-wrapper` runs it under `polytrain run` too, to
+see what the wrapper costs). Megatron's job is its own
 GPTModel with the local layer spec (Megatron's column/row-parallel linears, its
 vocabulary-parallel embedding and cross-entropy; its fused kernels are CUDA-only) trained
 by `get_forward_backward_func`; polytrain's is `Trainer` with `--model.arch gpt2
@@ -51,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads shared by a job's 2 ranks")
     p.add_argument("--polytrain-args", default="", help="extra config overrides for the polytrain jobs")
+    p.add_argument("--polytrain-under-wrapper", action="store_true",
+                   help="launch polytrain's jobs with `polytrain run` (the CUDA wrapper) as Megatron's")
     p.add_argument("--json", type=Path)
     p.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -129,7 +133,7 @@ class MegatronJob:
 class PolytrainJob:
     def __init__(self, args: argparse.Namespace):
         from polytrain.config import load_config
-        from polytrain.train.trainer import Trainer
+        from polytrain.train.trainer import Trainer  # it joins the job torchrun describes
 
         overrides = ["--model.arch", "gpt2", "--model.size", args.size, "--parallel.tp", "2",
                      "--data.source", args.source, "--data.seq_len", str(args.seq_len),
@@ -169,10 +173,15 @@ def worker(args: argparse.Namespace) -> None:
 
 def launch(args: argparse.Namespace, framework: str, work: Path, tag: str) -> dict:
     result = work / f"{tag}.json"
-    cmd = [sys.executable, "-m", "polytrain.cli", "run", "--nproc", "2", os.path.abspath(__file__),
+    wrapped = framework == "megatron" or args.polytrain_under_wrapper
+    launcher = (["-m", "polytrain.cli", "run", "--nproc", "2"] if wrapped else
+                ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"])
+    cmd = [sys.executable, *launcher, os.path.abspath(__file__),
            "--worker", framework, "--result", str(result), "--out-dir", str(work / tag), "--size", args.size,
            "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch), "--source", args.source,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--polytrain-args", args.polytrain_args]
+    if args.polytrain_under_wrapper:
+        cmd.append("--polytrain-under-wrapper")
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, args.threads // 2))}
     done = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True)
     if not result.exists():
