@@ -23,7 +23,7 @@ instance, so module and parameter names (and checkpoints) are unchanged.
     n = compile_blocks(model)            # before data parallelism; each pipeline stage alike
     timer = CompileTimer.started(n)      # counts this process's compilations from now on
     ...first step...
-    timer.describe()                     # "compiled 2 blocks: 2 graph(s), 0 graph breaks, 14.2 s compiling"
+    timer.describe()                     # "compiled 2 blocks: 1 new graph(s), 0 graph breaks, 14.2 s compiling"
 """
 
 from __future__ import annotations
