@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from polytrain.checkpoint.directory import TMP_PREFIX, torch_bytes, write_checkpoint_dir
 from polytrain.checkpoint.run_dir import RunDir
 from polytrain.errors import CheckpointError
-from polytrain.lora import is_adapter_key
+from polytrain.lora import is_adapter_key, lora_record
 from polytrain.models.common.init import init_plain
 
 FORMAT = "polytrain-checkpoint-1"
@@ -269,15 +269,17 @@ class Checkpointer:
         return state
 
 
-def save_weights(path: Path, model_state: dict[str, torch.Tensor], model_config: dict[str, Any]) -> Path:
+def save_weights(path: Path, model_state: dict[str, torch.Tensor], model_config: dict[str, Any],
+                 lora: Any = None, base: str | None = None) -> Path:
     """Write a weights-only checkpoint (step 0, no optimizer or data state) at `path`, atomically.
 
     What `polytrain convert` makes of an imported model: `polytrain generate` loads it like
     any checkpoint, and training started from it (checkpoint.resume) takes the weights and
-    begins at step 0 with a fresh optimizer, at any parallel layout.
+    begins at step 0 with a fresh optimizer, at any parallel layout. An imported PEFT adapter:
+    `model_state` holds the adapters of `lora` (a LoRAConfig), `base` the checkpoint of their base.
     """
     state = TrainerState(step=0, sampler={}, optimizer="none", model_config=model_config, world_size=1,
-                         weights_only=True)
+                         weights_only=True, lora=lora_record(lora) if lora is not None else None, base=base)
     return write_checkpoint_dir(Path(path), {"model": model_state}, main_files=lambda: {STATE_FILE: _json_bytes(state)})
 
 

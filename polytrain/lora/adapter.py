@@ -65,7 +65,8 @@ def _appears(pattern: list[str], parts: list[str]) -> bool:
     return any(all(w in ("*", h) for w, h in zip(pattern, parts[i:i + n])) for i in range(len(parts) - n + 1))
 
 
-def _block_linears(model: nn.Module) -> dict[str, nn.Linear]:
+def block_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The Linear layers inside the blocks (`layers.<i>....`), by name: what adapters may go on."""
     # Adapters go inside the blocks only: the output head is replaced by the chunked loss
     # head or split by vocabulary, and embeddings are not Linear layers.
     return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith("layers.")}
@@ -76,7 +77,7 @@ def target_names(model: nn.Module, targets: str) -> list[str]:
 
     ConfigError when a pattern picks none (naming the block Linears there are).
     """
-    linears = _block_linears(model)
+    linears = block_linears(model)
     picked = []
     for pattern in _patterns(targets):
         hits = [n for n in linears if _appears(pattern, n.split("."))]
@@ -90,7 +91,7 @@ def target_names(model: nn.Module, targets: str) -> list[str]:
 
 def adapter_parameter_count(model: nn.Module, cfg: LoRAConfig) -> int:
     """Parameters the adapters of `cfg` add to `model` (a whole model, e.g. on the meta device)."""
-    linears = _block_linears(model)
+    linears = block_linears(model)
     return sum(cfg.rank * (linears[n].in_features + linears[n].out_features) for n in target_names(model, cfg.targets))
 
 
@@ -101,7 +102,7 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
     pipeline stage of it, whose patterns may then match only some layers) provides
     `init_parameter`, taught here to initialise the adapters by their names.
     """
-    linears = _block_linears(model)
+    linears = block_linears(model)
     names = [n for n in linears if any(_appears(p, n.split(".")) for p in _patterns(cfg.targets))]
     if any(isinstance(linears[n], LoRALinear) for n in names):
         raise ValueError("apply_lora: the model already has adapters")
