@@ -137,7 +137,8 @@ def merge_adapters(model: nn.Module) -> nn.Module:
     nn.Linear again (same weight and bias objects); returns `model`."""
     for name, module in list(model.named_modules()):
         if isinstance(module, LoRALinear):
-            delta = module.scaling * (module.lora_b.float() @ module.lora_a.float())  # (out, in)
+            at = torch.promote_types(module.weight.dtype, torch.float32)
+            delta = module.scaling * (module.lora_b.to(at) @ module.lora_a.to(at))  # (out, in)
             module.weight.add_(delta.to(module.weight.dtype))
             plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
             plain.weight, plain.bias = module.weight, module.bias

@@ -25,14 +25,15 @@ def lora_record(cfg: LoRAConfig) -> dict[str, Any] | None:
 
 @torch.no_grad()
 def merge_state(state: dict[str, torch.Tensor], lora: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """`state` with every adapter pair fused into its base weight (W + alpha / r * B A, in fp32,
-    cast back to W's dtype) and the adapter keys dropped; `lora` is the checkpoint's record."""
+    """`state` with every adapter pair fused into its base weight (W + alpha / r * B A, in fp32 or
+    finer, cast back to W's dtype) and the adapter keys dropped; `lora` is the checkpoint's record."""
     scaling = lora["alpha"] / lora["rank"]
     out = {k: v for k, v in state.items() if not is_adapter_key(k)}
     for key in state:
         if key.endswith(".lora_a"):
             module = key.removesuffix(".lora_a")
-            a, b = state[key].float(), state[module + ".lora_b"].float()  # (r, in), (out, r)
             weight = out[module + ".weight"]
-            out[module + ".weight"] = (weight.float() + scaling * (b @ a)).to(weight.dtype)
+            at = torch.promote_types(weight.dtype, torch.float32)  # at least fp32, float64 kept
+            a, b = state[key].to(at), state[module + ".lora_b"].to(at)  # (r, in), (out, r)
+            out[module + ".weight"] = (weight.to(at) + scaling * (b @ a)).to(weight.dtype)
     return out

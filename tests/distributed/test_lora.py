@@ -5,7 +5,8 @@ one two-rank launch trains the same run at dp 2 with ZeRO-3, dp 2 with ZeRO-2, t
 sequence parallelism and pp 2: the loss and gradient-norm trajectories must agree within
 1e-4 relative, and so must the trained adapters in the final checkpoints, which hold only
 the adapters (the base stays as the seed made it). The tp 2 run's step-5 checkpoint then
-resumes on one process and continues the reference's trajectory.
+resumes on one process and continues the reference's trajectory, and the merged `--to hf`
+export of the reference (seeded base + adapters) gives polytrain's logits in transformers.
 """
 
 from __future__ import annotations
@@ -62,6 +63,19 @@ def test_layout_matches_single_process(runs, name):
     assert got.keys() == ref.keys(), name
     for key in ref:
         torch.testing.assert_close(got[key], ref[key], rtol=1e-4, atol=1e-6, msg=f"{name}: {key}")
+
+
+def test_merged_export_gives_polytrains_logits(runs, tmp_path):
+    import transformers
+
+    import polytrain
+    from polytrain.convert import export_hf
+
+    model, tokenizer = polytrain.load(runs / "reference")  # the seeded base, the adapters merged in
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export_hf(runs / "reference", tmp_path / "hf")).eval()
+    ids = torch.tensor([tokenizer.encode("import json\n")])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=ids).logits, model(ids), rtol=1e-5, atol=1e-5)
 
 
 def test_tp_checkpoint_resumes_on_one_process(runs):
