@@ -123,6 +123,7 @@ def import_peft(adapter_dir: str | Path, out_dir: str | Path, base: str | Path) 
     """Turn a PEFT LoRA adapter directory into a run directory of adapters on the polytrain `base`
     (a run or checkpoint, e.g. `polytrain convert HF_DIR` of the model the adapter was trained on)."""
     from polytrain.checkpoint import save_weights
+    from polytrain.checkpoint.trainer_state import read_state
     from polytrain.convert import resolve_checkpoint
     from polytrain.models.registry import shape_config
 
@@ -137,6 +138,9 @@ def import_peft(adapter_dir: str | Path, out_dir: str | Path, base: str | Path) 
         raise ConfigError(f"{adapter_dir / CONFIG_FILE} also trains biases or whole modules; polytrain imports "
                           "LoRA adapters alone (bias = 'none', no modules_to_save)")
     base_checkpoint, base_run = resolve_checkpoint(base)
+    if read_state(base_checkpoint).lora is not None:
+        raise ConfigError(f"{base_checkpoint} holds LoRA adapters itself; name the checkpoint of the base "
+                          "model (e.g. the step_0 of its `polytrain convert HF_DIR` run) with --base")
     cfg = load_config(RunDir(base_run).config)
     if not (adapter_dir / WEIGHTS_FILE).is_file():
         raise CheckpointError(f"{adapter_dir} has no {WEIGHTS_FILE} (save the adapter with safe_serialization)")

@@ -72,21 +72,23 @@ def block_linears(model: nn.Module) -> dict[str, nn.Linear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith("layers.")}
 
 
+def _picked(linears: dict[str, nn.Linear], targets: str) -> list[str]:
+    patterns = _patterns(targets)
+    return [n for n in linears if any(_appears(p, n.split(".")) for p in patterns)]
+
+
 def target_names(model: nn.Module, targets: str) -> list[str]:
     """Names of the block Linear layers of `model` that any pattern of `targets` picks, in model order.
 
     ConfigError when a pattern picks none (naming the block Linears there are).
     """
     linears = block_linears(model)
-    picked = []
     for pattern in _patterns(targets):
-        hits = [n for n in linears if _appears(pattern, n.split("."))]
-        if not hits:
+        if not any(_appears(pattern, n.split(".")) for n in linears):
             kinds = sorted({n.split(".", 2)[2] for n in linears})
             raise ConfigError(f"lora.targets pattern {'.'.join(pattern)!r} matches no Linear layer inside the "
                               f"blocks; the blocks' Linear layers are {', '.join(kinds)}")
-        picked += hits
-    return [n for n in linears if n in set(picked)]
+    return _picked(linears, targets)
 
 
 def adapter_parameter_count(model: nn.Module, cfg: LoRAConfig) -> int:
@@ -103,7 +105,7 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig) -> list[str]:
     `init_parameter`, taught here to initialise the adapters by their names.
     """
     linears = block_linears(model)
-    names = [n for n in linears if any(_appears(p, n.split(".")) for p in _patterns(cfg.targets))]
+    names = _picked(linears, cfg.targets)
     if any(isinstance(linears[n], LoRALinear) for n in names):
         raise ValueError("apply_lora: the model already has adapters")
     if cfg.only_optimize:
