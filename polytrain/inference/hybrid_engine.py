@@ -9,8 +9,9 @@ each unit per forward); DeepSpeed's Hybrid Engine instead switches the actor int
 inference layout once per rollout. Here, per `generate` call:
 
 1. gather: `gather_blocks` blocks at a time (0 = the whole model at once; a few when memory
-   is short, as DeepSpeed's tp_gather_partition_size), every parameter's full value is
-   gathered from its ZeRO-3 and tensor-parallel shards, LoRA adapters are fused into their
+   is short, as DeepSpeed's tp_gather_partition_size), each block's FSDP unit is unsharded
+   (one all-gather over dp), every parameter's full value taken (its tensor-parallel shards
+   gathered) and the unit resharded; LoRA adapters are fused into their
    weights (W + alpha / r * B A, in fp32), and the value is written into a fresh plain model
    of the same architecture: whole, or split over `inference_tp` ranks by the
    architecture's plan (only this rank's slice is kept);
@@ -30,6 +31,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from polytrain.config import Config, ParallelConfig
@@ -67,20 +69,22 @@ class HybridEngine:
 
     # ----- the switch -----------------------------------------------------------------
 
-    def _groups(self) -> Iterator[list[str]]:
-        """Parameter names of the training model in gathering groups: the non-block ones, then
-        `gather_blocks` blocks at a time."""
+    def _groups(self) -> Iterator[tuple[list[nn.Module], list[str]]]:
+        """(FSDP units, parameter names) of the training model in gathering groups: the root's
+        own parameters, then `gather_blocks` blocks at a time (no units without ZeRO-3 / dp)."""
         names = [n for n, _ in self.model.named_parameters()]
-        outside = [n for n in names if not n.startswith("layers.")]
         blocks: dict[str, list[str]] = {}
         for n in names:
             if n.startswith("layers."):
                 blocks.setdefault(n.split(".")[1], []).append(n)
-        yield outside
+        units = [self.model] if isinstance(self.model, FSDPModule) else []
+        yield units, [n for n in names if not n.startswith("layers.")]
         per = self.gather_blocks or len(blocks) or 1
         keys = list(blocks)
         for i in range(0, len(keys), per):
-            yield [n for k in keys[i:i + per] for n in blocks[k]]
+            group = keys[i:i + per]
+            units = [self.model.layers[k] for k in group if isinstance(self.model.layers[k], FSDPModule)]
+            yield units, [n for k in group for n in blocks[k]]
 
     @torch.no_grad()
     def gathered_model(self) -> nn.Module:
@@ -93,10 +97,16 @@ class HybridEngine:
         copy.to_empty(device=self.runtime.device)
         copy.init_buffers()
         targets = dict(copy.named_parameters())
-        params = dict(self.model.named_parameters())
-        for group in self._groups():
-            # (out, in) etc.: every rank ends up with each tensor's global value
+        for units, group in self._groups():
+            # One all-gather over dp per FSDP unit, all of the group's in flight together; the
+            # tensor-parallel shards are gathered per tensor. Every rank gets each global value.
+            for handle in [unit.unshard(async_op=True) for unit in units]:
+                if handle is not None:
+                    handle.wait()
+            params = dict(self.model.named_parameters())  # the unsharded ones now, for this group
             full = {n: _full(params[n]) for n in group}
+            for unit in units:
+                unit.reshard()
             if self.lora is not None:
                 full = merge_state(full, self.lora)
             for name, value in full.items():
@@ -139,8 +149,9 @@ class HybridEngine:
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:
-    """A parameter's global value on every rank (all-gathered from its shards when it is a DTensor)."""
-    return param.full_tensor() if isinstance(param, DTensor) else param.detach()
+    """A parameter's global value on every rank, in storage of its own (all-gathered from its
+    shards when it is a DTensor; copied otherwise, since resharding frees an unsharded unit's)."""
+    return param.full_tensor() if isinstance(param, DTensor) else param.detach().clone()
 
 
 def _write(param: torch.Tensor, value: torch.Tensor) -> None:
