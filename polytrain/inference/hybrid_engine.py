@@ -3,6 +3,7 @@
     engine = HybridEngine(runtime, cfg, built.model, inference_tp=1, gather_blocks=0)
     new = engine.generate(prompts, max_new_tokens, temperature=0.0)   # this rank's prompts
     engine.phases    # seconds and peak memory of the last call's gather and generate phases
+    with engine.generation_model() as actor: ...    # the gathered copy for a rollout loop of one's own
 
 Generating through a ZeRO-3 model gathers every block again for every token (FSDP2 unshards
 each unit per forward); DeepSpeed's Hybrid Engine instead switches the actor into an
@@ -24,6 +25,7 @@ inference layout once per rollout. Here, per `generate` call:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from collections.abc import Iterator
@@ -114,28 +116,33 @@ class HybridEngine:
             del full
         return copy.eval()
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, **sampling) -> list[list[int]]:
-        """This rank's prompts continued through the gathered copy (see `generate` for `sampling`);
-        collective over every rank, each with its own prompts."""
+    @contextlib.contextmanager
+    def generation_model(self) -> Iterator[nn.Module]:
+        """The gathered copy for the block (e.g. a caller's own rollout loop), released after it;
+        records the gather phase's seconds and peak memory in `phases`. Collective."""
         acc = self.runtime.acc
         acc.reset_peak_memory()
         start = time.perf_counter()
         copy = self.gathered_model()
         acc.synchronize()
-        gathered = time.perf_counter()
-        self.phases = {"gather": {"s": gathered - start, "peak_gb": acc.memory_stats()["peak_gb"]}}
+        self.phases = {"gather": {"s": time.perf_counter() - start, "peak_gb": acc.memory_stats()["peak_gb"]}}
         acc.reset_peak_memory()
-        mine = prompts
-        if self.inference is not None:
-            mine, rows = self._group_prompts(prompts)
-        new = generate(copy, mine, max_new_tokens, **sampling)
-        if self.inference is not None:
-            new = new[rows]
-        acc.synchronize()
-        self.phases["generate"] = {"s": time.perf_counter() - gathered, "peak_gb": acc.memory_stats()["peak_gb"],
-                                   "tokens": sum(len(t) for t in new)}
-        del copy  # the gathered weights and (inside generate) the KV cache are released here
-        gc.collect()
+        try:
+            yield copy
+        finally:
+            del copy  # the gathered weights go; generate's KV cache went with its call
+            gc.collect()
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, **sampling) -> list[list[int]]:
+        """This rank's prompts continued through the gathered copy (see `generate` for `sampling`);
+        collective over every rank, each with its own prompts. `phases` gets the generate phase too."""
+        with self.generation_model() as copy:
+            start = time.perf_counter()
+            mine, rows = self._group_prompts(prompts) if self.inference is not None else (prompts, slice(None))
+            new = generate(copy, mine, max_new_tokens, **sampling)[rows]
+            self.runtime.acc.synchronize()
+            self.phases["generate"] = {"s": time.perf_counter() - start, "tokens": sum(len(t) for t in new),
+                                       "peak_gb": self.runtime.acc.memory_stats()["peak_gb"]}
         return new
 
     def _group_prompts(self, prompts: list[list[int]]) -> tuple[list[list[int]], slice]:
