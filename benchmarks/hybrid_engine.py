@@ -13,8 +13,8 @@ left-padded prompts (16-40 tokens) by --new-tokens greedy tokens:
     no engine    polytrain's generate through the ZeRO-3 training model (every block all-gathered
                  for every token)
     trl          TRL's unwrap_model_for_generation + transformers' generate on the same shape with
-                 PEFT LoRA r 8 (one process of one thread generating one rank's 4 prompts), in the
-                 Python given by --trl-python (TRL is not a polytrain dependency)
+                 PEFT LoRA r 8 (two processes of one thread at once, each one rank's 4 prompts), in
+                 the Python given by --trl-python (TRL is not a polytrain dependency)
 
 Reported: generated tokens per second per rank, the engine's gather and generate seconds and
 each phase's peak resident memory (VmHWM reset before the phase; Linux), and the ratios.
@@ -106,7 +106,7 @@ def _trl(args) -> dict:
                                 peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
     accelerator = accelerate.Accelerator(cpu=True)
     model = accelerator.prepare(model)
-    prompts = _prompts(0, args.vocab)
+    prompts = _prompts(args.trl_rank, args.vocab)
     longest = max(map(len, prompts))
     ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
@@ -132,7 +132,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--trl-python", default="", help="a Python with trl installed (skipped when empty)")
-    parser.add_argument("--trl", action="store_true", help=argparse.SUPPRESS)  # the TRL child process
+    parser.add_argument("--trl", action="store_true", help=argparse.SUPPRESS)  # a TRL child process
+    parser.add_argument("--trl-rank", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trl:
         print(json.dumps(_trl(args)))
@@ -149,12 +150,15 @@ def main() -> None:
     for p in procs:
         p.join()
     trl = {}
-    if args.trl_python:
+    if args.trl_python:  # two processes at once, one rank's prompts each, as the two ranks above run
         passed = [a for a in sys.argv[1:] if not a.startswith("--trl-python") and a != args.trl_python]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
-        out = subprocess.run([args.trl_python, __file__, *passed, "--trl"], check=True, capture_output=True,
-                             text=True, env=env).stdout
-        trl = json.loads(out.strip().splitlines()[-1])
+        children = [subprocess.Popen([args.trl_python, __file__, *passed, "--trl", "--trl-rank", str(r)],
+                                     stdout=subprocess.PIPE, text=True, env=env) for r in range(2)]
+        outs = [json.loads(child.communicate()[0].strip().splitlines()[-1]) for child in children]
+        if any(child.returncode for child in children):
+            raise SystemExit("a TRL process failed")
+        trl = {"trl_tok_s": sum(o["trl_tok_s"] for o in outs) / 2, "trl_peak_gb": outs[0]["trl_peak_gb"]}
     r0 = ranks[0]
     engine = sum(r["engine_tok_s"] for r in ranks.values()) / 2
     plain = sum(r["no_engine_tok_s"] for r in ranks.values()) / 2

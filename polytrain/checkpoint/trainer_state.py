@@ -249,6 +249,11 @@ class Checkpointer:
                                   f"{targets!r}; set lora.rank, lora.alpha and lora.targets to them "
                                   "(or merge them: polytrain convert --to hf)")
         if state.lora is None and expect.lora is not None:
+            if not state.weights_only and Path(path).resolve().parent == self.root.resolve():
+                # Its step count would win over the adapters' new one at the next resume.
+                raise CheckpointError(f"{path} is a trained checkpoint of this run without adapters; start the "
+                                      "LoRA run in a directory of its own (--run.out_dir) with "
+                                      f"--checkpoint.resume {path}")
             state.weights_only = True  # the base of this run's adapters
         if state.optimizer != expect.optimizer and not state.weights_only:
             raise CheckpointError(

@@ -27,6 +27,7 @@ from polytrain.config import load_config
 from polytrain.convert import import_hf
 from polytrain.convert.peft import import_peft
 from polytrain.data.tokenizer import train_bpe
+from polytrain.errors import CheckpointError
 from tests.conftest import tiny_overrides
 from tests.models import hf_models
 
@@ -128,3 +129,6 @@ def test_peft_errors_name_the_problem(tmp_path, capsys, small_corpus):
     Trainer(load_config(None, tiny_overrides(small_corpus, tmp_path / "plain", run__steps=1))).train()
     assert main(["convert", "--to", "peft", str(tmp_path / "plain"), str(tmp_path / "x")]) == 2
     assert "holds no LoRA adapters" in capsys.readouterr().err
+    # LoRA in place on a trained run: its step_1 would outrank the adapters' own steps at a resume.
+    with pytest.raises(CheckpointError, match="start the LoRA run in a directory of its own"):
+        Trainer(load_config(None, tiny_overrides(small_corpus, tmp_path / "plain", run__steps=2, lora__rank=4)))
