@@ -8,8 +8,9 @@
 The order, on the meta device until the last step (so no rank ever holds the whole model
 unless its layout keeps it whole):
 
-    build (registry) -> chunked loss head -> pipeline split -> tensor/sequence parallel ->
-    compiled blocks -> activation checkpointing -> data parallel / ZeRO -> real weights (seeded by name)
+    build (registry) -> chunked loss head -> pipeline split -> LoRA adapters -> tensor/sequence
+    parallel -> compiled blocks -> activation checkpointing -> data parallel / ZeRO -> real weights
+    (seeded by name)
     [-> tied copies, autocast and the runner, for pipelines]
 
 The trainer, `polytrain.initialize` and later engines (RLHF's four models) all build
@@ -35,6 +36,7 @@ from polytrain.distributed.pipeline.build import StageShapes, build_pipeline
 from polytrain.distributed.runtime import Runtime
 from polytrain.distributed.tensor_parallel import Context, parallelize_model
 from polytrain.errors import ConfigError
+from polytrain.lora import adapter_parameter_count, apply_lora
 from polytrain.models import ARCHITECTURES
 from polytrain.train.compiled import CompileTimer, compile_blocks
 from polytrain.train.loss import ModelLoss, attach_loss_head, deferred_loss, logits_loss_for, scoring_head
@@ -57,8 +59,10 @@ class BuiltModel:
     tp_ctx: Context | None
     """What its tensor-parallel layers share (None without tp)."""
     num_params: int
-    """Parameters of the whole model, whatever part of it this rank holds."""
+    """Parameters of the whole model, whatever part of it this rank holds (without LoRA adapters)."""
     flops_per_token: float
+    num_adapter_params: int = 0
+    """Parameters the LoRA adapters add to the whole model (0 without lora.rank)."""
     compile_timer: CompileTimer | None = None
     """Compile time, graphs and graph breaks of this process since the blocks were compiled (train.compile)."""
 
@@ -68,14 +72,20 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
     """`cfg.model` from the registry, laid out by `runtime` (and `pipeline`, the layout's plan).
 
     `cfg.train` picks activation checkpointing, the chunked loss and the pipeline's autocast;
-    `cfg.parallel` the data-parallel strategy; `run_dir` holds nvme offload files by default.
+    `cfg.parallel` the data-parallel strategy; `cfg.lora` the adapters (on each stage, before
+    tensor parallelism splits them with their base weights); `run_dir` holds nvme offload
+    files by default.
     """
     arch = ARCHITECTURES[cfg.model.arch]
     with torch.device("meta"):
         model = arch.build(cfg.model)
     num_params, flops = model.num_params(), model.flops_per_token(cfg.data.seq_len)
+    adapters = adapter_parameter_count(model, cfg.lora) if cfg.lora.rank else 0
     chunked = attach_loss_head(model, cfg.train, runtime.dims)  # before the split: the last stage copies it
     stages = split_model(model, pipeline, runtime.axis_rank("pp")) if pipeline else {"": model}
+    if cfg.lora.rank:
+        for stage in stages.values():
+            apply_lora(stage, cfg.lora)
     plan = arch.tp_plan(cfg.model) if runtime.dims.tp > 1 else None
     tp_ctx, compiled = None, 0
     for stage in stages.values():
@@ -99,7 +109,7 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
     if head is not None and head.deferred:
         logits_loss = deferred_loss(head, lambda: runtime.acc.autocast(dtype))
     loss = ModelLoss(logits_loss, head)
-    return BuiltModel(model, dp, loss, runner, tp_ctx, num_params, flops, timer)
+    return BuiltModel(model, dp, loss, runner, tp_ctx, num_params, flops, adapters, timer)
 
 
 def place_model(runtime: Runtime, module: nn.Module, cfg: Config, seed: int) -> BuiltModel:

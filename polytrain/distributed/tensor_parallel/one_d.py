@@ -95,10 +95,14 @@ class RowParallelLinear(nn.Module):
         self.bias = ctx.distribute(linear.bias, [Replicate()]) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ctx.leave(F.linear(x, self.weight.to_local()))  # (B, T, out) or (B, T/tp, out)
+        y = self.ctx.leave(self.partial(x))  # (B, T, out) or (B, T/tp, out)
         if self.bias is not None:
             y = y + self.ctx.residual_param(self.bias)
         return y
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum (B, T, out) of y without the bias, before leaving the region."""
+        return F.linear(x, self.weight.to_local())
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, tp={self.ctx.size}"
