@@ -197,6 +197,12 @@ def validate(cfg: Config) -> None:
         )
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 0:
         raise ConfigError("checkpoint.every and checkpoint.keep must be >= 0")
+    if t.compile and cfg.parallel.tp > 1 and t.activation_checkpoint == "selective":
+        # torch 2.13's partitioner files the tp mesh among the tensors saved around the
+        # recomputed attention core and fails at the first backward.
+        raise ConfigError("train.compile = true with parallel.tp > 1 cannot recompute selectively "
+                          "(torch.compile fails on it); set train.activation_checkpoint = 'full' or "
+                          "train.compile = false")
     if cfg.data.sources and cfg.data.source != DataConfig().source:
         raise ConfigError("data.source and data.sources are both set; data.sources blends several corpora "
                           "in place of data.source: keep one")

@@ -169,7 +169,10 @@ class TrainConfig:
     """Recompute activations in backward to save memory: full = each block, selective = the attention core."""
     chunked_loss: bool = True
     """Output projection + cross-entropy a chunk of tokens at a time, never holding (tokens, vocab) logits
-    (without tp and pp; tp's vocabulary-parallel loss splits the logits already); false = the plain path."""
+    (also vocabulary-parallel under tp and on a pipeline's last stage; not the 2d-3d grids); false = plain."""
+    compile: bool = False
+    """torch.compile each transformer block (regional: the blocks share one graph); the cost is reported
+    after the first step."""
 
 
 @dataclass

@@ -68,6 +68,7 @@ class Trainer:
         built = build_model(self.runtime, cfg, self.layout.pipeline, run_dir=self.run_dir)
         self.model, self.dp, self.loss, self.pipeline = built.model, built.dp, built.loss, built.pipeline
         self.num_params, self.flops_per_token = built.num_params, built.flops_per_token
+        self.compile_timer = built.compile_timer  # train.compile: reported after the first step
         self.num_adapter_params = built.num_adapter_params
         # Adapters-only checkpoints name where their frozen base comes from (set again on loading).
         lo = cfg.lora
@@ -262,7 +263,7 @@ class Trainer:
             print(self.describe(), flush=True)
         bar = ProgressBar(cfg.run.steps, self.step, enabled=main)
         start = last_log_time = last_plot = time.perf_counter()
-        last_log_step = self.step
+        last_log_step = first_step = self.step
         first_val = last_val = None
         saved_step = self.step if self.resume_from else None
         if self.step == 0:
@@ -272,6 +273,8 @@ class Trainer:
             while self.step < cfg.run.steps:
                 stats = self.train_step()
                 step = self.step
+                if self.compile_timer is not None and step == first_step + 1 and main:
+                    bar.write(self.compile_timer.describe())  # the first step compiled the blocks
                 if step % cfg.run.log_every == 0 or step == cfg.run.steps:
                     self.acc.synchronize()
                     now = time.perf_counter()
