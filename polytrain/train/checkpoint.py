@@ -3,7 +3,7 @@
     <run dir>/checkpoints/step_<N>/
         .metadata, __<rank>_0.distcp   # model + optimizer, keyed by parameter name (DCP)
         rng/rank_<r>.pt                # each rank's RNG states
-        trainer.json                   # step (which fixes the lr schedule), sampler position, model config
+        trainer.json                   # step, optimizer_steps (which fix the lr schedule), sampler position, model config
 
 A checkpoint is written into `.tmp-step_<N>/` and renamed once every rank has
 finished, with trainer.json written last; a crash while saving leaves only a
@@ -53,6 +53,13 @@ class TrainerState:
     world_size: int
     loss_scaler: dict[str, Any] | None = None  # fp16 runs: the dynamic scale and its counters
     weights_only: bool = False  # model weights without optimizer or data state (an imported model)
+    optimizer_steps: int | None = None  # updates applied (step minus skipped fp16 steps); None: older checkpoints
+
+    def applied_steps(self) -> int:
+        """Optimizer updates applied up to `step`: the position of the learning-rate schedule."""
+        if self.optimizer_steps is not None:
+            return self.optimizer_steps
+        return self.step - (self.loss_scaler or {}).get("skipped_steps", 0)
 
 
 def checkpoints_dir(run_dir: Path) -> Path:

@@ -35,7 +35,8 @@ from polytrain.distributed.world import barrier, init_world, max_over_world, mea
 from polytrain.errors import TrainingDiverged
 from polytrain.inference.generate import generate
 from polytrain.models import ARCHITECTURES
-from polytrain.optim.schedule import set_lr
+from polytrain.optim.builder import restart_state
+from polytrain.optim.schedule import scheduled_lr, set_lr
 from polytrain.train.checkpoint import Checkpointer, TrainerState, check_checkpoint, latest_checkpoint
 from polytrain.train.chunked_loss import LossHead
 from polytrain.train.metrics import MetricsLogger, plot_loss
@@ -96,7 +97,8 @@ class Trainer:
         self.tokens_per_step = cfg.train.global_batch_size * seq_len
         self.scaler = self._loss_scaler()
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self._rng_state, self._set_rng_state)
-        self.step = 0
+        self.step = 0  # batches trained, skipped fp16 steps included (DeepSpeed's global_steps)
+        self.optimizer_steps = 0  # updates applied: the lr schedule's position (skips hold it, as in DeepSpeed)
         if self.resume_from is not None:
             self.step = self._load(self.resume_from)
         self.metrics = MetricsLogger(self.run_dir, self.world.is_main, cfg.run.tensorboard,
@@ -203,10 +205,12 @@ class Trainer:
         for group, values in zip(self.optimizer.param_groups, hyper):
             group.update(values)
         if state.weights_only:  # an imported model: its weights, then a fresh run from step 0
+            restart_state(self.optimizer)  # loading made optimizer state at step 1; Adam's t starts at 0
             if self.world.is_main:
                 print(f"initialised from the weights of {path}", flush=True)
             return 0
         self.sampler.load_state_dict(state.sampler)
+        self.optimizer_steps = state.applied_steps()
         if self.scaler is not None and state.loss_scaler is not None:
             self.scaler.load_state_dict(state.loss_scaler)
         if self.world.is_main:
@@ -215,7 +219,7 @@ class Trainer:
 
     def _trainer_state(self) -> TrainerState:
         return TrainerState(
-            step=self.step, sampler=self.sampler.state_dict(), optimizer=self.cfg.train.optimizer,
+            step=self.step, optimizer_steps=self.optimizer_steps, sampler=self.sampler.state_dict(), optimizer=self.cfg.train.optimizer,
             model_config=self._shape_config(), world_size=self.world.world_size,
             loss_scaler=self.scaler.state_dict() if self.scaler else None,
         )
@@ -264,12 +268,14 @@ class Trainer:
         if self.scaler is not None:
             stats["loss_scale"] = self.scaler.scale
             # An fp16 overflow on any rank skips the step everywhere and lowers the scale.
+            # Neither the lr schedule nor the optimizer's own step count advances (DeepSpeed's rule).
             if self.scaler.unscale_and_check(self.dp.gradients(), max_over_world):
                 self.dp.zero_grad()
                 self.scaler.update(found_inf=True)
                 self.step += 1
-                return {**stats, "grad_norm": None, "lr": self.optimizer.param_groups[0]["lr"],
-                        "skipped_steps": self.scaler.skipped_steps}
+                # "lr": the rate this step would have run at, which the next applied step takes.
+                return {**stats, "grad_norm": None, "lr": scheduled_lr(self.optimizer_steps, self.cfg),
+                        "skipped_steps": self.scaler.skipped_steps, "optimizer_steps": self.optimizer_steps}
         clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else math.inf
         grad_norm_value = self.dp.clip_grad_norm_(clip)
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm_value)):
@@ -281,13 +287,14 @@ class Trainer:
                 f"{latest or 'none'}; lower train.lr (now {self.cfg.train.lr}) or raise "
                 f"train.warmup_steps, then rerun to resume"
             )
-        lr = set_lr(self.optimizer, self.step, self.cfg)
+        lr = set_lr(self.optimizer, self.optimizer_steps, self.cfg)
         self.dp.step()
         self.dp.zero_grad()
         self.step += 1
+        self.optimizer_steps += 1
         if self.scaler is not None:
             self.scaler.update(found_inf=False)
-            stats["skipped_steps"] = self.scaler.skipped_steps
+            stats |= {"skipped_steps": self.scaler.skipped_steps, "optimizer_steps": self.optimizer_steps}
         return {**stats, "grad_norm": grad_norm_value, "lr": lr}
 
     @torch.no_grad()
