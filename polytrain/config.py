@@ -410,10 +410,20 @@ def validate(cfg: Config) -> None:
         "train.micro_batch_size": t.micro_batch_size, "train.global_batch_size": t.global_batch_size,
         "parallel.nproc": cfg.parallel.nproc, "model.dim": m.dim, "model.n_layers": m.n_layers,
         "model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads, "model.vocab_size": m.vocab_size,
+        "run.eval_batches": r.eval_batches,
     }
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} = {value} must be positive")
+    non_negative = {
+        "run.eval_every": (r.eval_every, "0 = only at the end"), "run.sample_tokens": (r.sample_tokens, "0 = no sample"),
+        "train.warmup_steps": (t.warmup_steps, "0 = no warmup"), "train.grad_clip": (t.grad_clip, "0 = no clipping"),
+        "train.schedule_steps": (t.schedule_steps, "0 = run.steps"), "train.lr": (t.lr, None),
+        "train.min_lr": (t.min_lr, None), "train.warmup_start_lr": (t.warmup_start_lr, None),
+    }
+    for key, (value, zero) in non_negative.items():
+        if not value >= 0:  # also catches NaN
+            raise ConfigError(f"{key} = {value} must be >= 0" + (f" ({zero})" if zero else ""))
     _validate_model(m)
     from polytrain.data.objectives import objective_name
 

@@ -31,8 +31,8 @@ from polytrain.distributed.pipeline import PipelineRunner, plan_from_config, run
 from polytrain.distributed.pipeline.tied import COPIES, TiedEmbeddings
 from polytrain.distributed.tensor_parallel import Context, shard_sizes
 from polytrain.distributed.topology import ParallelDims, dp_coordinates
-from polytrain.distributed.world import barrier, init_world, max_over_world, mean_over_world
-from polytrain.errors import TrainingDiverged
+from polytrain.distributed.world import init_world, max_over_world, mean_over_world, together
+from polytrain.errors import ConfigError, TrainingDiverged
 from polytrain.inference.generate import generate
 from polytrain.models import ARCHITECTURES
 from polytrain.optim.builder import restart_state
@@ -117,15 +117,22 @@ class Trainer:
 
     def _prepare_corpus(self):
         # Rank 0 trains the tokenizer and tokenizes once; the others then hit the cache.
-        if self.world.is_main:
+        # `together`: a bad input on one rank stops every rank with its one-line message.
+        def on_main():
             corpus = prepare_corpus(self.cfg.data, self._tokenizer_vocab())
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
+            except OSError as e:
+                raise ConfigError(f"cannot write the run directory {self.run_dir} ({e.strerror}); set "
+                                  "run.out_dir (or run.name) to a directory you can write") from None
             corpus.tokenizer.save(self.run_dir / "tokenizer.json")
-        barrier()
-        if not self.world.is_main:
-            corpus = prepare_corpus(self.cfg.data, self._tokenizer_vocab())
-        return corpus
+            return corpus
+
+        main = self.world.is_main
+        ours = together(on_main if main else None)
+        theirs = together(None if main else lambda: prepare_corpus(self.cfg.data, self._tokenizer_vocab()))
+        return ours if main else theirs
 
     def _tokenizer_vocab(self) -> int:
         # The objective's special ids ([MASK], T5's sentinels) take the top of the model's vocabulary.
