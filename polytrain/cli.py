@@ -84,10 +84,10 @@ def _train(argv: list[str]) -> int:
         return 0
     cfg = config_from_argv(argv)
     if cfg.parallel.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        from polytrain.distributed.topology import ParallelDims
         from polytrain.train.launch import launch_local_workers
+        from polytrain.train.startup import plan_layout
 
-        ParallelDims.from_config(cfg, cfg.parallel.nproc)  # fail here, before starting workers
+        plan_layout(cfg, cfg.parallel.nproc)  # fail here, before starting workers
         return launch_local_workers(cfg.parallel.nproc, argv)
     return run_worker(argv, cfg)
 
@@ -110,7 +110,8 @@ def _generate(argv: list[str]) -> int:
 
 def _chat(argv: list[str]) -> int:
     parser = _Parser(prog="polytrain chat", description="Talk to a decoder, with its chat template when it has one.")
-    parser.add_argument("run_dir", help="a run directory (trained, or made by `polytrain convert`)")
+    parser.add_argument("run_dir", help="a run directory (trained, made by `polytrain convert`, or an RLHF "
+                                        "run: its final actor)")
     _add_sampling(parser, max_new_tokens=200, temperature=0.7, top_k=40)
     args = parser.parse_args(argv)
 
@@ -119,7 +120,12 @@ def _chat(argv: list[str]) -> int:
     from polytrain.inference.chat import Chat, repl
     from polytrain.inference.load import load_run
 
-    chat = Chat(load_run(args.run_dir), Path(args.run_dir), args.max_new_tokens, args.temperature,
+    from polytrain.rlhf.plan import chat_dir
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "config.toml").is_file() and chat_dir(run_dir) is not None:
+        run_dir = chat_dir(run_dir)  # an RLHF run: its final actor
+    chat = Chat(load_run(run_dir), run_dir, args.max_new_tokens, args.temperature,
                 args.top_k, args.top_p, args.seed)
     repl(chat)
     return 0
@@ -160,7 +166,7 @@ def _consolidate(argv: list[str]) -> int:
                         help="safetensors or pt (default: pt for .pt/.pth/.bin files, else safetensors)")
     args = parser.parse_args(argv)
 
-    from polytrain.train.consolidate import consolidate
+    from polytrain.checkpoint.consolidate import consolidate
 
     out = consolidate(args.checkpoint, args.out, dtype=args.dtype, fmt=args.format)
     print(f"wrote {out} ({out.stat().st_size / 2**20:,.1f} MiB)")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from polytrain.data.atomic import write_text_atomic
+from polytrain.io.atomic import write_text_atomic
 from polytrain.errors import ConfigError
 
 CHUNK_TOKENS = 1 << 24
