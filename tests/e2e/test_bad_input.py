@@ -79,6 +79,11 @@ def _train(prepared: Path, tmp: Path, edit: Callable[[Path], None]) -> list[str]
     return ["train", *tiny_overrides(_data(prepared, tmp, edit), tmp / "run")]
 
 
+def _tiny(prepared: Path, tmp: Path, *extra: str) -> list[str]:
+    """A seconds-long run on good data with `extra` overrides (a run that should not start)."""
+    return ["train", *tiny_overrides(prepared / "d.bin", tmp / "run", run__steps=1), *extra]
+
+
 def _remove(key: str) -> Callable[[dict], dict]:
     return lambda meta: {k: v for k, v in meta.items() if k != key}
 
@@ -110,8 +115,8 @@ CASES: dict[str, Callable[[Path, Path, Path], list[str]]] = {
     "sidecar-path": lambda d, r, t: _train(d, t, _sidecar(_outside)),
     "token-id-range": lambda d, r, t: _train(d, t, _id_600_at_100),
     "run-dir-not-writable": lambda d, r, t: ["train", *tiny_overrides(d / "d.bin", _file(t))],
-    "negative-setting": lambda d, r, t: ["train", "--train.warmup_steps", "-1"],
-    "eval-batches-zero": lambda d, r, t: ["train", "--run.eval_batches", "0"],
+    "negative-setting": lambda d, r, t: _tiny(d, t, "--train.warmup_steps", "-1"),
+    "eval-batches-zero": lambda d, r, t: _tiny(d, t, "--run.eval_batches", "0"),
     "generate-empty-prompt": lambda d, r, t: ["generate", str(r), "--prompt", "", "--max-new-tokens", "4"],
     "sampling-top-k": lambda d, r, t: ["generate", str(r), "--prompt", "x", "--top-k", "0"],
     "sampling-top-p": lambda d, r, t: ["generate", str(r), "--prompt", "x", "--top-p", "0"],
