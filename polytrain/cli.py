@@ -15,6 +15,7 @@ Errors a user can fix print one line starting with "error:" and exit with status
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -22,6 +23,56 @@ from pathlib import Path
 from polytrain.errors import PolytrainError
 
 USAGE = __doc__.split("\n\n")[1]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one `error:` line (a PolytrainError), like every other."""
+
+    def error(self, message: str):
+        raise PolytrainError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _whole(low: int):
+    """An argparse type: an integer >= low."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= {low}")
+        return value
+    return parse
+
+
+def _number(low: float, high: float, open_low: bool = False, open_high: bool = False):
+    """An argparse type: a float in the interval [low, high], with either end open."""
+    interval = f"{'(' if open_low else '['}{low:g}, {high:g}{')' if open_high or high == math.inf else ']'}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        above = value > low if open_low else value >= low  # NaN is neither
+        below = value < high if open_high else value <= high
+        if not (above and below):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number in {interval}")
+        return value
+    return parse
+
+
+def _add_sampling(parser: argparse.ArgumentParser, max_new_tokens: int, temperature: float,
+                  top_k: int | None) -> None:
+    """The sampling options of generate and chat, checked as they are parsed."""
+    parser.add_argument("--max-new-tokens", type=_whole(0), default=max_new_tokens)
+    parser.add_argument("--temperature", type=_number(0, math.inf, open_high=True), default=temperature,
+                        help="0 = greedy")
+    parser.add_argument("--top-k", type=_whole(1), default=top_k,
+                        help="sample among the k most likely tokens" + ("" if top_k else " (default: all)"))
+    parser.add_argument("--top-p", type=_number(0, 1, open_low=True), default=None,
+                        help="sample among the most likely tokens holding this share of the probability")
+    parser.add_argument("--seed", type=int, default=0)
 
 
 def _train(argv: list[str]) -> int:
@@ -44,14 +95,10 @@ def _train(argv: list[str]) -> int:
 
 
 def _generate(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="polytrain generate", description="Sample text from a trained run.")
+    parser = _Parser(prog="polytrain generate", description="Sample text from a trained run.")
     parser.add_argument("run_dir", help="a run directory written by `polytrain train`")
-    parser.add_argument("--prompt", required=True)
-    parser.add_argument("--max-new-tokens", type=int, default=100)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt", required=True, help="text to continue; empty = a new document")
+    _add_sampling(parser, max_new_tokens=100, temperature=0.8, top_k=None)
     parser.add_argument("--checkpoint", default=None, help="a step_<N> directory (default: the newest)")
     args = parser.parse_args(argv)
 
@@ -64,15 +111,10 @@ def _generate(argv: list[str]) -> int:
 
 
 def _chat(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="polytrain chat",
-                                     description="Talk to a decoder, with its chat template when it has one.")
+    parser = _Parser(prog="polytrain chat", description="Talk to a decoder, with its chat template when it has one.")
     parser.add_argument("run_dir", help="a run directory (trained, made by `polytrain convert`, or an RLHF "
                                         "run: its final actor)")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=40)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    _add_sampling(parser, max_new_tokens=200, temperature=0.7, top_k=40)
     args = parser.parse_args(argv)
 
     from pathlib import Path
@@ -92,14 +134,16 @@ def _chat(argv: list[str]) -> int:
 
 
 def _prepare(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="polytrain prepare",
         description="Tokenize a corpus once into packed token files for data.source.")
     parser.add_argument("source", help="'stdlib', a .txt or .jsonl file (field text), or a directory of them")
     parser.add_argument("out", help="output path ending in .bin (also writes .val.bin, .json, .tokenizer.json)")
-    parser.add_argument("--vocab-size", type=int, default=4096, help="vocabulary of the trained BPE tokenizer")
+    parser.add_argument("--vocab-size", type=_whole(257), default=4096,
+                        help="vocabulary of the trained BPE tokenizer (at least 256 bytes + <|endoftext|>)")
     parser.add_argument("--tokenizer", default="bpe", help="'bpe' to train one, or a tokenizer.json path")
-    parser.add_argument("--val-fraction", type=float, default=0.02)
+    parser.add_argument("--val-fraction", type=_number(0, 1, open_low=True, open_high=True), default=0.02,
+                        help="share of documents held out for validation")
     args = parser.parse_args(argv)
 
     from polytrain.data import prepare_to
@@ -112,12 +156,12 @@ def _prepare(argv: list[str]) -> int:
 
 
 def _consolidate(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="polytrain consolidate",
         description="Write a checkpoint's model weights, from any layout, as one plain state dict file. "
                     "safetensors streams tensor by tensor (memory for about two of its largest tensors); "
                     "pt holds the whole model in memory once.")
-    parser.add_argument("checkpoint", help="a runs/<name>/checkpoints/step_<N> directory")
+    parser.add_argument("checkpoint", help="a runs/<name>/checkpoints/step_<N> directory, or a run directory (its newest)")
     parser.add_argument("out", help="output file, or an existing directory to write model.<format> in")
     parser.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (floating tensors)")
     parser.add_argument("--format", default=None,
@@ -169,7 +213,7 @@ def _run(argv: list[str]) -> int:
 
 
 def _convert(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="polytrain convert",
         description="Hugging Face model directory -> polytrain run directory (default), or back with --to hf; "
                     "LoRA adapters -> a PEFT adapter directory with --to peft, or a PEFT adapter directory "

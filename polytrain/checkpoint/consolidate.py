@@ -26,7 +26,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from polytrain.checkpoint.trainer_state import STATE_FILE, check_checkpoint
+from polytrain.checkpoint.trainer_state import STATE_FILE, check_checkpoint, latest_checkpoint
 from polytrain.errors import CheckpointError, ConfigError
 from polytrain.io.atomic import atomic_path
 
@@ -63,9 +63,14 @@ def consolidate(checkpoint_dir: str | Path, out: str | Path, dtype: torch.dtype 
     tensors. `fmt` is "safetensors" or "pt"; by default .pt/.pth/.bin files get "pt" and
     anything else "safetensors". An existing directory as `out` receives model.<format>.
     Tied weights appear under each of their names (safetensors cannot hold aliases).
-    The file appears complete or not at all.
+    The file appears complete or not at all. A run directory stands for its newest checkpoint.
     """
     path = Path(checkpoint_dir)
+    if (path / "config.toml").is_file() and not (path / STATE_FILE).is_file():
+        newest = latest_checkpoint(path)
+        if newest is None:
+            raise CheckpointError(f"{path} has no complete checkpoint under checkpoints/")
+        path = newest
     check_checkpoint(path)
     dtype = _resolve_dtype(dtype)
     out = Path(out)

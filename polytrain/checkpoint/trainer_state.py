@@ -3,8 +3,8 @@
     <run dir>/checkpoints/step_<N>/
         .metadata, __<rank>_0.distcp   # model + optimizer, keyed by parameter name (DCP)
         rng/rank_<r>.pt                # each rank's RNG states
-        trainer.json                   # step (which fixes the lr schedule), sampler position, model config
-                                       # and, with LoRA, the adapters' record and where their base comes from
+        trainer.json                   # step, optimizer_steps (which fix the lr schedule), sampler position,
+                                       # model config and, with LoRA, the adapters' record and their base
 
 A checkpoint is written by `write_checkpoint_dir` (directory.py): into `.tmp-step_<N>/`,
 synced to disk and renamed once every rank has finished, with trainer.json written last;
@@ -66,6 +66,7 @@ class TrainerState:
     world_size: int
     loss_scaler: dict[str, Any] | None = None  # fp16 runs: the dynamic scale and its counters
     weights_only: bool = False  # model weights without optimizer or data state (an imported model)
+    optimizer_steps: int | None = None  # updates applied (step minus skipped fp16 steps); None: older checkpoints
     lora: dict[str, Any] | None = None  # the LoRA adapters' config (polytrain.lora.lora_record), None without
     base: str | None = None  # adapters only: the checkpoint holding the frozen base, or "init:<seed>"
 
@@ -77,6 +78,12 @@ class TrainerState:
     def adapter_shape(self) -> tuple | None:
         """What decides the adapters' tensors and their meaning: (rank, alpha, targets), None without LoRA."""
         return (self.lora["rank"], self.lora["alpha"], self.lora["targets"]) if self.lora else None
+
+    def applied_steps(self) -> int:
+        """Optimizer updates applied up to `step`: the position of the learning-rate schedule."""
+        if self.optimizer_steps is not None:
+            return self.optimizer_steps
+        return self.step - (self.loss_scaler or {}).get("skipped_steps", 0)
 
 
 def checkpoints_dir(run_dir: Path) -> Path:

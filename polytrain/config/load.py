@@ -162,11 +162,20 @@ def validate(cfg: Config) -> None:
     positive = {
         "run.steps": r.steps, "run.log_every": r.log_every, "data.seq_len": cfg.data.seq_len,
         "train.micro_batch_size": t.micro_batch_size, "train.global_batch_size": t.global_batch_size,
-        "parallel.nproc": cfg.parallel.nproc,
+        "parallel.nproc": cfg.parallel.nproc, "run.eval_batches": r.eval_batches,
     }
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} = {value} must be positive")
+    non_negative = {
+        "run.eval_every": (r.eval_every, "0 = only at the end"), "run.sample_tokens": (r.sample_tokens, "0 = no sample"),
+        "train.warmup_steps": (t.warmup_steps, "0 = no warmup"), "train.grad_clip": (t.grad_clip, "0 = no clipping"),
+        "train.schedule_steps": (t.schedule_steps, "0 = run.steps"), "train.lr": (t.lr, None),
+        "train.min_lr": (t.min_lr, None), "train.warmup_start_lr": (t.warmup_start_lr, None),
+    }
+    for key, (value, zero) in non_negative.items():
+        if not value >= 0:  # also catches NaN
+            raise ConfigError(f"{key} = {value} must be >= 0" + (f" ({zero})" if zero else ""))
     if cfg.data.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len = {cfg.data.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
     if t.global_batch_size % t.micro_batch_size:

@@ -109,12 +109,12 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     hf_config = read_config(hf_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ConfigError(f"output directory {out_dir} exists and is not an empty directory; name a new one")
     names = set(HFTensors(hf_dir))
     model = model_config_from_hf(hf_config, names)
     state = state_from_hf(hf_dir, model)
     tokenizer = _check_tokenizer(hf_dir / TOKENIZER, model) if (hf_dir / TOKENIZER).is_file() else None
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ConfigError(f"output directory {out_dir} exists and is not empty")
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = Config(model=model)
     # Absolute: `polytrain train --config OUT_DIR/config.toml` then works from any directory.
@@ -215,6 +215,8 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: str | None = None)
     if len(floating) == 1:
         # transformers 4 reads torch_dtype, 5 reads dtype
         hf_config["torch_dtype"] = hf_config["dtype"] = str(floating.pop()).removeprefix("torch.")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"output directory {out_dir} exists and is not a directory; name a directory")
     out_dir.mkdir(parents=True, exist_ok=True)
     write_safetensors(hf_state, out_dir / "model.safetensors")
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")

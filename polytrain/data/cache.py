@@ -4,6 +4,7 @@ Cache layout (under $POLYTRAIN_CACHE, default ~/.cache/polytrain):
 
     tokenizers/bpe-<vocab>-<key>.json     BPE trained on one corpus's training documents
     tokens/<kind>-<key>.bin               token files written by `prepare` (+ siblings)
+    token-max/<key>.json                  the largest id of a prepared .bin given as data.source
 
 Each key hashes everything its entry depends on (corpus identity, vocabulary, split,
 format versions), so a changed input gets a new entry and an unchanged one is reused
@@ -29,6 +30,7 @@ from polytrain.config import DataConfig
 from polytrain.data.corpus import Corpus, open_corpus
 from polytrain.data.packed import PreparedCorpus, load_prepared, prepare
 from polytrain.data.split import Split, plan_split
+from polytrain.data.token_range import check_token_range
 from polytrain.data.tokenizer import Tokenizer, train_bpe
 from polytrain.errors import ConfigError
 
@@ -61,7 +63,7 @@ def prepare_corpus(
     """
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if Path(data_cfg.source).suffix == ".bin":
-        return _use_prepared(data_cfg, vocab_size)
+        return _use_prepared(data_cfg, vocab_size, cache)
     corpus = open_corpus(data_cfg.source)
     tokenizer = _resolve_tokenizer(data_cfg, corpus, vocab_size, cache)
     key = _key(PACK_VERSION, corpus.identity, tokenizer.fingerprint, data_cfg.val_fraction)
@@ -82,8 +84,8 @@ def prepare_corpus(
 def prepare_to(source: str, out: str | Path, *, tokenizer: str = "bpe", vocab_size: int,
                val_fraction: float, cache_dir: Path | None = None) -> PreparedCorpus:
     """`polytrain prepare`: tokenize `source` once into `out` (.bin) for use as data.source."""
-    if Path(out).suffix != ".bin":
-        raise ConfigError(f"the output path {out} must end in .bin")
+    if Path(out).suffix != ".bin" or Path(out).is_dir():
+        raise ConfigError(f"the output path {out} must be a file name ending in .bin")
     data_cfg = DataConfig(source=source, tokenizer=tokenizer, val_fraction=val_fraction)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     corpus = open_corpus(source)
@@ -103,8 +105,12 @@ def _load_user_tokenizer(path: str) -> Tokenizer:
     return Tokenizer.load(path)
 
 
-def _use_prepared(data_cfg: DataConfig, vocab_size: int) -> PreparedCorpus:
-    """A prepared .bin brings its own tokenizer and split; data.tokenizer may only confirm it."""
+def _use_prepared(data_cfg: DataConfig, vocab_size: int, cache: Path) -> PreparedCorpus:
+    """A prepared .bin brings its own tokenizer and split; data.tokenizer may only confirm it.
+
+    Its ids are checked against `vocab_size` too: the file may come from another tokenizer,
+    or have been damaged, and an id past the embedding fails only steps later (on a GPU as
+    a device assert)."""
     if not Path(data_cfg.source).is_file():
         raise ConfigError(f"data.source: {data_cfg.source} does not exist")
     prepared = load_prepared(data_cfg.source)
@@ -114,6 +120,8 @@ def _use_prepared(data_cfg: DataConfig, vocab_size: int) -> PreparedCorpus:
             raise ConfigError(f"data.tokenizer {data_cfg.tokenizer} is not the tokenizer "
                               f"{data_cfg.source} was prepared with; leave data.tokenizer unset")
     _check_vocab(prepared.tokenizer, vocab_size, f"the tokenizer of {data_cfg.source}")
+    for path in (prepared.train_path, prepared.val_path):
+        check_token_range(path, prepared.dtype, vocab_size, cache)
     return prepared
 
 

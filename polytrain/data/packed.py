@@ -126,9 +126,7 @@ def load_prepared(path: str | Path) -> PreparedCorpus:
             f"{path} is not a polytrain prepared file: missing {meta_path.name}; "
             "create it with `polytrain prepare`"
         )
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format") != FORMAT:
-        raise ConfigError(f"{meta_path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    meta = read_sidecar(meta_path)
     dtype = np.dtype(meta["dtype"])
     train_path = path.with_name(meta["train"]["file"])
     val_path = path.with_name(meta["val"]["file"])
@@ -140,6 +138,39 @@ def load_prepared(path: str | Path) -> PreparedCorpus:
     tokenizer = Tokenizer.load(path.with_name(meta["tokenizer"]))
     return PreparedCorpus(train_path, val_path, tokenizer, dtype,
                           meta["train"]["tokens"], meta["val"]["tokens"])
+
+
+def read_sidecar(meta_path: Path) -> dict:
+    """The sidecar `prepare` wrote, with the fields `load_prepared` reads checked: ConfigError
+    naming the file and the field if it is not JSON, truncated, or edited into another shape."""
+    def damaged(what: str) -> ConfigError:
+        return ConfigError(f"{meta_path} is damaged ({what}); prepare the data again with "
+                           f"`polytrain prepare`")
+
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise damaged(f"not JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise damaged("not a JSON object")
+    if meta.get("format") != FORMAT:
+        raise ConfigError(f"{meta_path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    if meta.get("dtype") not in ("<u2", "<u4"):
+        raise damaged(f"dtype {meta.get('dtype')!r} is not '<u2' or '<u4'")
+    for side in ("train", "val"):
+        entry = meta.get(side)
+        if not isinstance(entry, dict) or not _plain_name(entry.get("file")):
+            raise damaged(f"'{side}' needs a 'file' in the sidecar's directory")
+        if not isinstance(entry.get("tokens"), int) or isinstance(entry["tokens"], bool) or entry["tokens"] < 0:
+            raise damaged(f"'{side}.tokens' = {entry.get('tokens')!r} is not a token count")
+    if not _plain_name(meta.get("tokenizer")):
+        raise damaged("'tokenizer' needs a file name in the sidecar's directory")
+    return meta
+
+
+def _plain_name(name: object) -> bool:
+    """A file name without directories: what `prepare` writes (its files sit side by side)."""
+    return isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name
 
 
 class TokenDataset:

@@ -35,10 +35,24 @@ import torch.nn.functional as F
 from polytrain.distributed.collectives import all_gather, all_reduce
 
 IGNORE_INDEX = -100
-GRAD_SCALE = 1024.0
-"""Power of two the logits' gradient is scaled by for its low-precision matmuls (exact to undo)."""
+FP16_BOUND = 2.0 ** 15
+"""Largest magnitude allowed anywhere in an fp16 gradient matmul: half of fp16's largest finite 65504."""
 MIN_CHUNK_TOKENS = 256
 """Fewest tokens per chunk: below this the matmuls get too thin to run at full speed."""
+
+
+def fp16_grad_scale(h: torch.Tensor, weight_bound: torch.Tensor) -> torch.Tensor:
+    """The largest power of two S <= FP16_BOUND for which one chunk's fp16 gradient matmuls cannot overflow.
+
+    h (C, D) is the chunk's hidden states, weight_bound = 2 max|W| (this rank's rows). The rows
+    of g = S (softmax - one_hot) have entries in [-S, S] and absolute sums at most 2 S, so
+    |(g @ W)[c, d]| <= 2 S max|W| and |(g.T @ h)[v, d]| <= S sum_c |h[c, d]|, and so is every
+    partial sum a matmul forms, in any order. A fixed scale overflows the weight gradient of
+    a token that is the target of many rows of one chunk (an indentation run in code), at any
+    loss scale, since the loss scale is applied after, in fp32. A 0-dim fp32 tensor: no host sync.
+    """
+    bound = torch.maximum(weight_bound, h.abs().sum(0, dtype=torch.float32).amax())
+    return torch.exp2(torch.floor(torch.log2(FP16_BOUND / bound))).clamp_(max=FP16_BOUND)
 
 
 def chunk_tokens(n_tokens: int, dim: int, vocab_size: int) -> int:
@@ -75,6 +89,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         low_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
         weight_low = weight.to(low_dtype)
         bias_low = bias.to(low_dtype) if bias is not None else None
+        # fp16's 5 exponent bits need a per-chunk scale (bf16 and fp32 have fp32's range).
+        weight_bound = 2 * weight_low.abs().amax().float() if low_dtype == torch.float16 and n_local else None
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
             h, t, keep, hit = hidden[rows].to(low_dtype), safe_targets[rows, None], scored[rows], mine[rows]
@@ -88,22 +104,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if not (want_h or want_w or want_b):
                 continue
             # d(summed loss) / d logits = softmax - one_hot(target), 0 on unscored rows, in
-            # [-1, 1]; times GRAD_SCALE so small probabilities stay normal numbers in fp16
-            # (a 32K vocabulary's are ~3e-5). 1 / (count x GRAD_SCALE) is applied in fp32 after.
+            # [-1, 1]. In fp16, times a power of two S that lifts small probabilities (a 32K
+            # vocabulary's are ~3e-5) as far as the matmuls allow without overflow; exact to undo.
+            # Each tp rank picks its own S: it only scales that rank's partial sums.
             grad = logits.sub_(lse[:, None]).exp_()
             if n_local:
                 grad.scatter_add_(1, t, hit[:, None].to(grad.dtype).neg_())
-            grad.mul_(keep[:, None] * GRAD_SCALE)
+            grad.mul_(keep[:, None])
             if want_b:
                 grad_b += grad.sum(0)
+            scale = fp16_grad_scale(h, weight_bound) if weight_bound is not None else None
+            if scale is not None:
+                grad.mul_(scale)
             grad = grad.to(low_dtype)  # the gradient matmuls run in the forward's dtype
             if want_h:
-                grad_h[rows] = (grad @ weight_low).float().div_(count * GRAD_SCALE)
+                grad_h[rows] = (grad @ weight_low).float().div_(count if scale is None else count * scale)
             if want_w:
-                grad_w += (grad.t() @ h).float()
-        for summed in (grad_w, grad_b):
+                grad_w += (grad.t() @ h).float() if scale is None else (grad.t() @ h).float().div_(scale)
+        for summed in (grad_w, grad_b):  # sums over tokens -> the gradients of the mean loss
             if summed is not None:
-                summed.div_(count * GRAD_SCALE)
+                summed.div_(count)
         if group is not None:  # each target's logit is on one rank
             target_sum = all_reduce(target_sum, group)
         ctx.save_for_backward(grad_h, grad_w, grad_b)

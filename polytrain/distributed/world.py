@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from polytrain.backend.base import Accelerator
+from polytrain.errors import PolytrainError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -60,3 +65,28 @@ def max_over_world(flag: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return flag
+
+
+def together(fn: Callable[[], T] | None) -> T | None:
+    """Run `fn` on this rank (None: nothing), then agree: if it raised a PolytrainError on any
+    rank, raise one on every rank; else return its result. A collective, like a barrier.
+
+    For work one rank does while the others wait (rank 0 tokenizing the corpus): at a plain
+    barrier, the others would wait until the failed rank's exit tore the group down and then
+    die in a gloo error with a traceback each, burying the one-line message. The failed rank
+    re-raises its own error; the others raise the lowest failed rank's message.
+    """
+    error, result = None, None
+    try:
+        result = fn() if fn is not None else None
+    except PolytrainError as e:
+        error = e
+    if dist.is_initialized():
+        messages: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, None if error is None else str(error))
+        first = next((m for m in messages if m is not None), None)
+        if error is None and first is not None:
+            raise PolytrainError(first)
+    if error is not None:
+        raise error
+    return result

@@ -29,6 +29,7 @@ from polytrain.distributed.data_parallel import DataParallel
 from polytrain.distributed.world import World, max_over_world
 from polytrain.engine import checkpoint
 from polytrain.errors import PolytrainError, TrainingDiverged
+from polytrain.optim.builder import restart_state
 from polytrain.train.precision import LossScaler
 
 # DeepSpeed's default for steps_per_print.
@@ -71,6 +72,7 @@ class Engine(nn.Module):
         self._window_loss = torch.zeros((), device=device)  # this optimizer step's mean loss so far
         self._grad_norm: float | None = None
         self._step_applied = False
+        self._optimizer_fresh = True  # no update applied and no optimizer state loaded yet
 
     # ----- batch sizes (DeepSpeed's derivation, see polytrain.deepspeed.config) -------
 
@@ -163,6 +165,7 @@ class Engine(nn.Module):
                 f"applied; lower the learning rate or lengthen the warmup")
         self._dp.step()
         self._dp.zero_grad()
+        self._optimizer_fresh = False
         if self._scaler is not None:
             self._scaler.update(found_inf=False)  # after unscaling: a clean step may grow the scale
         if self.lr_scheduler is not None:
@@ -253,6 +256,10 @@ class Engine(nn.Module):
         path = Path(load_dir) / tag
         optimizer_states = load_optimizer_states and not load_module_only
         state, client_state = checkpoint.load(path, self._dp, optimizer_states)
+        if optimizer_states:
+            self._optimizer_fresh = False
+        elif self._optimizer_fresh:  # loading made state at step 1; the first update must be Adam's t = 1
+            restart_state(self.optimizer)
         if not load_module_only:
             self.global_steps, self.global_samples = state["global_steps"], state["global_samples"]
             self.micro_steps = self.global_steps * self.gradient_accumulation_steps()

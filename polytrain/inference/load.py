@@ -74,12 +74,13 @@ def load(path: str | Path, device: torch.device | str | None = None):
 def generate_text(run: LoadedRun, prompt: str, max_new_tokens: int, *, temperature: float = 0.8,
                   top_k: int | None = None, top_p: float | None = None, seed: int = 0) -> str:
     """`prompt` followed by up to `max_new_tokens` sampled tokens (fewer if the model's context ends);
-    for an encoder-decoder, the decoder's text for the encoded prompt."""
+    for an encoder-decoder, the decoder's text for the encoded prompt. An empty prompt starts
+    from end-of-text, the token between training documents: the sample is a new document."""
     kind = ARCHITECTURES[run.cfg.model.arch].kind
     if kind == "encoder":
         raise ConfigError(f"text generation needs a decoder or an encoder-decoder; {run.cfg.model.arch} "
                           "is an encoder (masked LM)")
-    ids = run.tokenizer.encode(prompt)
+    ids = run.tokenizer.encode(prompt) or [run.tokenizer.eot_id]
     device = next(run.model.parameters()).device
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, stop_tokens=stop_tokens(run.tokenizer),
                     generator=torch.Generator(device=device).manual_seed(seed))

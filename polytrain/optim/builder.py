@@ -70,3 +70,22 @@ def make_optimizer(groups: list[dict], cfg: TrainConfig,
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=foreach)
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
+
+
+@torch.no_grad()
+def restart_state(optimizer: torch.optim.Optimizer) -> None:
+    """Put `optimizer`'s state back to that of an optimizer that never stepped, in place.
+
+    Reading or loading a state dict needs state to exist, so torch's checkpoint helpers
+    (and ZeRO's) create it with one zero-gradient step at lr 0: Adam's and LAMB's step count
+    is then 1, and the first real update would be bias-corrected as t = 2 (about 0.74 lr
+    instead of lr per element for Adam). Zeroing every tensor (step counts, moments, momentum
+    buffers) in place keeps memory-mapped and sharded (DTensor) state where it is; each
+    optimizer's first step from zeros equals its first step from no state.
+    """
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                value.zero_()
+            elif key == "step":
+                state[key] = 0

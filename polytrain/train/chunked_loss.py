@@ -17,7 +17,6 @@ import torch
 import torch.nn as nn
 
 from polytrain.distributed.linear_cross_entropy import (  # noqa: F401 (re-exported)
-    GRAD_SCALE,
     IGNORE_INDEX,
     MIN_CHUNK_TOKENS,
     ScoringHead,

@@ -9,9 +9,12 @@ of nodes.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -33,7 +36,8 @@ def launch_local_workers(nproc: int, argv: list[str], module: str = "polytrain.t
         max_restarts=0, monitor_interval=0.1, start_method="spawn",
     )
     try:
-        elastic_launch(config, sys.executable)("-u", "-m", module, *argv)
+        with _quiet_agent():
+            elastic_launch(config, sys.executable)("-u", "-m", module, *argv)
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
         if EXIT_USER_ERROR in codes.values():
@@ -43,3 +47,23 @@ def launch_local_workers(nproc: int, argv: list[str], module: str = "polytrain.t
         print(f"error: worker {rank} {how}; its output is above", file=sys.stderr)
         return 1
     return 0
+
+
+@contextmanager
+def _quiet_agent() -> Iterator[None]:
+    """Hold back the elastic agent's own ERROR lines ("failed (exitcode: 2) local_rank: 0 ...").
+
+    A failed worker has already said why (a user error in one `error:` line, a crash in its
+    traceback) and the caller adds which worker exited how; the agent's line would only be a
+    second, rawer copy. Its loggers each carry their own level, so each is raised.
+    """
+    loggers = [logger for name, logger in logging.Logger.manager.loggerDict.items()
+               if name.startswith("torch.distributed.elastic") and isinstance(logger, logging.Logger)]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)

@@ -30,12 +30,13 @@ from polytrain.config import Config, to_toml
 from polytrain.data import GlobalBatchSampler, TokenDataset, val_batches
 from polytrain.data.blended import training_windows
 from polytrain.data.objectives import build_objective, reserved_ids
-from polytrain.distributed.world import barrier, max_over_world, mean_over_world
-from polytrain.errors import TrainingDiverged
+from polytrain.distributed.world import max_over_world, mean_over_world, together
+from polytrain.errors import ConfigError, TrainingDiverged
 from polytrain.inference.generate import generate
 from polytrain.lora import lora_record
 from polytrain.models.registry import shape_config
-from polytrain.optim.schedule import set_lr
+from polytrain.optim.builder import restart_state
+from polytrain.optim.schedule import scheduled_lr, set_lr
 from polytrain.train.build import AUTOCAST, build_model
 from polytrain.train.metrics import MetricsLogger, plot_loss
 from polytrain.train.precision import LossScaler, check_fp16_autocast
@@ -87,7 +88,8 @@ class Trainer:
         self.tokens_per_step = self.batch.global_batch_size * seq_len
         self.scaler = self._loss_scaler()
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self._rng_state, self._set_rng_state)
-        self.step = 0
+        self.step = 0  # batches trained, skipped fp16 steps included (DeepSpeed's global_steps)
+        self.optimizer_steps = 0  # updates applied: the lr schedule's position (skips hold it, as in DeepSpeed)
         if self.resume_from is not None:
             self.step = self._load(self.resume_from)
         self.metrics = MetricsLogger(self.run_dir, self.world.is_main, cfg.run.tensorboard,
@@ -106,16 +108,25 @@ class Trainer:
 
     def _prepare_corpus(self):
         # Rank 0 trains the tokenizer and tokenizes once; the others then hit the cache.
+        # `together`: a bad input on one rank stops every rank with its one-line message.
         run = RunDir(self.run_dir)
-        if self.world.is_main:
+
+        def on_main():
             corpus = training_windows(self.cfg.data, self._tokenizer_vocab(), self.cfg.run.seed)
-            run.path.mkdir(parents=True, exist_ok=True)
-            run.config.write_text(to_toml(self.cfg))
+            try:
+                run.path.mkdir(parents=True, exist_ok=True)
+                run.config.write_text(to_toml(self.cfg))
+            except OSError as e:
+                raise ConfigError(f"cannot write the run directory {run.path} ({e.strerror}); set "
+                                  "run.out_dir (or run.name) to a directory you can write") from None
             corpus.tokenizer.save(run.tokenizer)
-        barrier()
-        if not self.world.is_main:
-            corpus = training_windows(self.cfg.data, self._tokenizer_vocab(), self.cfg.run.seed)
-        return corpus
+            return corpus
+
+        main = self.world.is_main
+        ours = together(on_main if main else None)
+        theirs = together(None if main else lambda: training_windows(
+            self.cfg.data, self._tokenizer_vocab(), self.cfg.run.seed))
+        return ours if main else theirs
 
     def _tokenizer_vocab(self) -> int:
         # The objective's special ids ([MASK], T5's sentinels) take the top of the model's vocabulary.
@@ -151,10 +162,12 @@ class Trainer:
             # The base weights now in the model: those of `path`'s base, or of `path` itself.
             self.base = state.base if state.adapters_only else str(path.resolve())
         if state.weights_only:  # an imported model: its weights, then a fresh run from step 0
+            restart_state(self.optimizer)  # loading made optimizer state at step 1; Adam's t starts at 0
             if self.world.is_main:
                 print(f"initialised from the weights of {path}", flush=True)
             return 0
         self.sampler.load_state_dict(state.sampler)
+        self.optimizer_steps = state.applied_steps()
         if self.scaler is not None and state.loss_scaler is not None:
             self.scaler.load_state_dict(state.loss_scaler)
         if self.world.is_main:
@@ -163,8 +176,9 @@ class Trainer:
 
     def _trainer_state(self) -> TrainerState:
         return TrainerState(
-            step=self.step, sampler=self.sampler.state_dict(), optimizer=self.cfg.train.optimizer,
-            model_config=shape_config(self.cfg.model), world_size=self.world.world_size,
+            step=self.step, optimizer_steps=self.optimizer_steps, sampler=self.sampler.state_dict(),
+            optimizer=self.cfg.train.optimizer, model_config=shape_config(self.cfg.model),
+            world_size=self.world.world_size,
             loss_scaler=self.scaler.state_dict() if self.scaler else None,
             lora=lora_record(self.cfg.lora), base=self.base,
         )
@@ -208,12 +222,14 @@ class Trainer:
         if self.scaler is not None:
             stats["loss_scale"] = self.scaler.scale
             # An fp16 overflow on any rank skips the step everywhere and lowers the scale.
+            # Neither the lr schedule nor the optimizer's own step count advances (DeepSpeed's rule).
             if self.scaler.unscale_and_check(self.dp.gradients(), max_over_world):
                 self.dp.zero_grad()
                 self.scaler.update(found_inf=True)
                 self.step += 1
-                return {**stats, "grad_norm": None, "lr": self.optimizer.param_groups[0]["lr"],
-                        "skipped_steps": self.scaler.skipped_steps}
+                # "lr": the rate this step would have run at, which the next applied step takes.
+                return {**stats, "grad_norm": None, "lr": scheduled_lr(self.optimizer_steps, self.cfg),
+                        "skipped_steps": self.scaler.skipped_steps, "optimizer_steps": self.optimizer_steps}
         clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else math.inf
         grad_norm_value = self.dp.clip_grad_norm_(clip)
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm_value)):
@@ -225,13 +241,14 @@ class Trainer:
                 f"{latest or 'none'}; lower train.lr (now {self.cfg.train.lr}) or raise "
                 f"train.warmup_steps, then rerun to resume"
             )
-        lr = set_lr(self.optimizer, self.step, self.cfg)
+        lr = set_lr(self.optimizer, self.optimizer_steps, self.cfg)
         self.dp.step()
         self.dp.zero_grad()
         self.step += 1
+        self.optimizer_steps += 1
         if self.scaler is not None:
             self.scaler.update(found_inf=False)
-            stats["skipped_steps"] = self.scaler.skipped_steps
+            stats |= {"skipped_steps": self.scaler.skipped_steps, "optimizer_steps": self.optimizer_steps}
         return {**stats, "grad_norm": grad_norm_value, "lr": lr}
 
     @torch.no_grad()

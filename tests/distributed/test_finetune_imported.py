@@ -50,3 +50,26 @@ def test_imported_model_fine_tunes_alike_at_every_layout(small_corpus, tmp_path)
     run_ranks(2, _train_layouts, [overrides(name, *extra) for name, extra in layouts.items()])
     for name in layouts:
         assert_same_trajectory(reference, train_rows(tmp_path / name), 1e-5, f"{name} from the imported model")
+
+
+def test_fine_tuning_starts_adam_at_step_0(small_corpus, tmp_path):
+    """The first update from imported weights is a fresh AdamW's: bias-corrected as t = 1, where
+    m_hat = g and v_hat = g^2, so (without weight decay) every element moves by lr * |g| / (|g| + eps),
+    i.e. by lr. An optimizer whose state was created by a zero-lr step moves by 0.74 lr (t = 2)."""
+    from polytrain.config import load_config
+    from polytrain.train.trainer import Trainer
+
+    imported = import_hf(hf_models.save(hf_models.gpt2(vocab_size=512), tmp_path / "hf"), tmp_path / "run")
+    overrides = tiny_overrides(small_corpus, tmp_path / "tune", model__arch="gpt2", model__dim=32,
+                               model__n_layers=2, model__n_heads=4, model__n_kv_heads=4, model__ffn_dim=128,
+                               model__vocab_size=512, model__max_seq_len=64, model__tie_embeddings=True,
+                               data__seq_len=32, train__weight_decay=0.0, train__grad_clip=0.0,
+                               checkpoint__resume=imported / "checkpoints" / "step_0")
+    trainer = Trainer(load_config(None, overrides))
+    assert {float(s["step"]) for s in trainer.optimizer.state.values()} <= {0.0}
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    lr = trainer.train_step()["lr"]
+    moved = torch.cat([(b - p.detach()).abs().flatten() / lr for b, p in zip(before, trainer.model.parameters())])
+    assert moved.median().item() == pytest.approx(1.0, abs=1e-3)
+    assert {float(s["step"]) for s in trainer.optimizer.state.values()} == {1.0}
+    trainer.close()

@@ -182,6 +182,28 @@ def test_script_matches_trainer_on_two_ranks_with_zero2(small_corpus, ds_config_
 
 
 @pytest.mark.slow
+def test_fp16_skipped_steps_hold_the_schedule_in_script_and_trainer_alike(small_corpus, tmp_path):
+    """As DeepSpeed: an overflowing step is counted (global_steps) but steps neither the optimizer
+    nor the lr scheduler, in the engine and in the Trainer on the same ds_config."""
+    from polytrain.config import load_config
+    from polytrain.deepspeed import load_ds_config, to_overrides
+    from polytrain.train.trainer import Trainer
+
+    config = {**DS_CONFIG, "fp16": {"enabled": True, "initial_scale_power": 24, "hysteresis": 1}}
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    overrides = tiny_overrides(small_corpus, tmp_path / "trainer", run__steps=STEPS) + to_overrides(
+        load_ds_config(config, world_size=1))
+    # The script's model computes F.cross_entropy on full logits: the Trainer's plain loss.
+    Trainer(load_config(None, overrides + ["--run.log_every", "1", "--train.chunked_loss", "false"])).train()
+    want, got = train_rows(tmp_path / "trainer"), _script().main(_script_args(small_corpus, path))
+    assert 0 < sum(r["grad_norm"] is None for r in want) < STEPS
+    assert [r["grad_norm"] is None for r in got] == [r["grad_norm"] is None for r in want]
+    assert_same_rows([{**r, "grad_norm": r["grad_norm"] or 0.0} for r in want],
+                     [{**r, "grad_norm": r["grad_norm"] or 0.0} for r in got], "engine vs Trainer, fp16")
+
+
+@pytest.mark.slow
 def test_script_runs_under_torchrun(small_corpus, ds_config_file, tmp_path):
     env = {**os.environ, "POLYTRAIN_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -304,6 +326,11 @@ def test_checkpoint_round_trip(tmp_path):
     assert path == str(tmp_path / "global_step3") and client_state == {"epoch": 2, "note": "hi"}
     assert resumed.global_steps == 3 and resumed.lr_scheduler.steps == 3 and resumed.get_lr() == lr
     assert _mlp_train(resumed, 3, first_step=3) == pytest.approx(expected, rel=1e-6)
+
+    # Weights alone into a new engine: its optimizer stays fresh (Adam's first update is t = 1).
+    fresh, *_ = polytrain.initialize(model=_mlp(seed=5), config=_mlp_config())
+    fresh.load_checkpoint(tmp_path, load_module_only=True)
+    assert fresh.global_steps == 0 and {float(s["step"]) for s in fresh.optimizer.state.values()} <= {0.0}
 
     assert resumed.load_checkpoint(tmp_path / "nothing") == (None, None)
     with pytest.raises(CheckpointError, match="not a polytrain engine checkpoint"):
