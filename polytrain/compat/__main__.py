@@ -10,6 +10,7 @@ from pathlib import Path
 from polytrain.compat import run_program
 from polytrain.errors import CompatError, PolytrainError
 from polytrain.train.launch import EXIT_USER_ERROR
+from polytrain.train.worker_exit import run_and_exit
 
 _POLYTRAIN = Path(__file__).resolve().parents[1]
 
@@ -35,4 +36,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run_and_exit(lambda: main(sys.argv[1:]))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -42,8 +44,25 @@ def init_world(acc: Accelerator) -> World:
     if world_size > 1:
         acc.set_device(local_rank)
         dist.init_process_group(backend=acc.dist_backend, timeout=timedelta(minutes=30))
+        atexit.register(_destroy_at_exit)
         return World(dist.get_rank(), world_size, local_rank)
     return World(0, 1, local_rank)
+
+
+def _destroy_at_exit() -> None:
+    """Destroy the process group polytrain created if the program did not, while the
+    interpreter is whole: left to interpreter teardown, gloo's threads can still hold pending
+    work whose tensors need Python, and the finished job aborts (SIGABRT) on its way out.
+    Skipped while an exception is ending the program: a peer may be mid-collective, and
+    destroying under it could wait forever, where exiting lets the launcher see the failure."""
+    if dist.is_initialized() and not _failing():
+        dist.destroy_process_group()
+
+
+def _failing() -> bool:
+    """Whether the program is ending on an uncaught exception (Python sets sys.last_exc, or
+    sys.last_value before 3.12, after printing its traceback and before atexit handlers)."""
+    return getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
 
 
 def barrier() -> None:

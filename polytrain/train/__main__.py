@@ -17,6 +17,7 @@ import torch.distributed as dist
 from polytrain.config import Config, load_config
 from polytrain.errors import PolytrainError
 from polytrain.train.launch import EXIT_USER_ERROR, LAUNCHED_ENV
+from polytrain.train.worker_exit import run_and_exit
 
 
 def _take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
@@ -83,4 +84,4 @@ def run_worker(argv: list[str], cfg: Config | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_worker(sys.argv[1:]))
+    run_and_exit(lambda: run_worker(sys.argv[1:]))

@@ -1,0 +1,72 @@
+"""How a worker process ends: its exit code, and nothing after it that can abort.
+
+A worker that has finished (every rank reported, process groups destroyed) can still die
+at interpreter shutdown: C++ objects that outlive Python (gloo's and the inductor compile
+pool's threads, tensors held by pending work) are torn down during finalization, and one
+destroyed while its thread is still joinable calls std::terminate ("terminate called
+without an active exception", SIGABRT, exit 1 after a run that succeeded). So a worker
+does the orderly part of shutdown itself, while the interpreter is whole, and then leaves
+with os._exit, which skips only the teardown that aborts:
+
+  1. non-daemon threads are joined (what Python's own shutdown waits for),
+  2. atexit handlers run (the program's, logging's flush, torch's own),
+  3. the default process group, if still live, is destroyed,
+  4. stdout and stderr are flushed, then os._exit(code).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from typing import NoReturn
+
+import torch.distributed as dist
+
+
+def exit_code(error: SystemExit) -> int:
+    """The code `sys.exit(x)` asks for, as Python's own shutdown would report it."""
+    if error.code is None:
+        return 0
+    if isinstance(error.code, int):
+        return error.code
+    print(error.code, file=sys.stderr)  # sys.exit("message"): printed, exit 1
+    return 1
+
+
+def run_and_exit(main: Callable[[], int]) -> NoReturn:
+    """Run a worker's `main` (returning its exit code) and end the process with that code.
+
+    A SystemExit gives its code; any other exception prints its traceback, as an uncaught
+    one would, and exits 1.
+    """
+    try:
+        code = main()
+    except SystemExit as e:
+        code = exit_code(e)
+    except BaseException:  # noqa: BLE001 (reported as Python would, then the same orderly exit)
+        traceback.print_exc()
+        code = 1
+    finish(code)
+
+
+def finish(code: int) -> NoReturn:
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (OSError, ValueError):  # a closed or broken pipe: nothing left to say
+                    pass
+            os._exit(code)
