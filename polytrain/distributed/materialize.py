@@ -1,42 +1,69 @@
 """Give a meta-device model real storage and layout-independent initial weights.
 
-Each parameter is generated whole on the CPU from a generator seeded by
-(seed, parameter name), then each rank keeps only its own shard. The result is
-bit-identical whatever the sharding, which is what lets every parallel layout
-reproduce the single-device run. Peak extra memory is one full parameter.
+Each parameter's values come from a generator seeded by (seed, parameter name), as if
+the parameter were generated whole in fp32 on the CPU. A sharded parameter (a DTensor:
+ZeRO-3, tensor parallelism) gets only this rank's shard, computed directly
+(shard_init.py: the same values, a block of rows at a time), so start-up needs about
+one rank's share of host memory, not the whole model per rank. A plain parameter (a
+replica) is generated whole. The result is bit-identical whatever the sharding, which is
+what lets every parallel layout reproduce the single-device run.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from polytrain.distributed.shard_init import UnsupportedInit, init_local_shard
 from polytrain.models.common.init import seed_for
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, seed: int, init_as: dict[str, str] | None = None) -> None:
+def materialize(model: nn.Module, device: torch.device, seed: int, init_as: dict[str, str] | None = None,
+                round_to: torch.dtype | None = None) -> None:
     """Allocate `model` (built on meta, possibly sharded) on `device` and initialise it.
 
     The model provides `init_parameter(name, full_cpu_tensor, generator)` and
     `init_buffers()`; tied parameters appear once in named_parameters(). `init_as`
     maps a parameter that copies another (a pipeline's tied output head) to the name
-    whose initial values it takes.
+    whose initial values it takes. `round_to`: a 16-bit dtype the initial values pass
+    through (mixed precision: fp32 masters that start as copies of the 16-bit weights).
     """
     model.to_empty(device=device)
     for name, param in model.named_parameters():
         source = (init_as or {}).get(name, name)
-        full = torch.empty(param.shape, dtype=torch.float32)  # global shape, also for DTensors
-        model.init_parameter(source, full, torch.Generator().manual_seed(seed_for(seed, source)))
-        full = full.to(device=device, dtype=param.dtype)
+
+        def init(tensor: torch.Tensor, source: str = source) -> None:
+            generator = torch.Generator().manual_seed(seed_for(seed, source))
+            model.init_parameter(source, tensor, generator)
+
         if isinstance(param, DTensor):
-            # src_data_rank=None: every rank holds the same full tensor, so each
-            # slices out its own shard locally instead of receiving it. The copy is
-            # between local tensors: a DTensor copy_ would propagate shardings first,
-            # which takes long on meshes of 3-4 axes.
-            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-            param.to_local().copy_(local.to_local())
-        else:
-            param.copy_(full)
+            try:
+                init_local_shard(init, param, round_to)
+                continue
+            except UnsupportedInit:
+                pass  # an initialiser a window cannot reproduce: generate it whole below
+        _init_whole(init, param, device, round_to)
     model.init_buffers()
+
+
+def _init_whole(init: Callable[[torch.Tensor], None], param: torch.Tensor, device: torch.device, round_to: torch.dtype | None) -> None:
+    """Generate the full tensor on the CPU and keep this rank's part (all of it for a replica)."""
+    full = torch.empty(param.shape, dtype=torch.float32)  # global shape, also for DTensors
+    init(full)
+    if round_to is not None:
+        full = full.to(round_to)
+    full = full.to(device=device, dtype=param.dtype)
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank holds the same full tensor, so each slices out
+        # its own shard locally instead of receiving it. The copy is between local
+        # tensors: a DTensor copy_ would propagate shardings first, which takes long on
+        # meshes of 3-4 axes.
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(local.to_local())
+    else:
+        param.copy_(full)
+
