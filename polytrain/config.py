@@ -151,7 +151,9 @@ class TrainConfig:
     trust_clip: float = 0.0
     """lamb/lars only: upper bound on each tensor's trust ratio ||w|| / ||update|| (0 = unbounded)."""
     precision: str = _choices("fp32", "bf16", "fp16")
-    """Compute precision; bf16/fp16 autocast matmuls while weights and optimizer stay fp32."""
+    """bf16/fp16: 16-bit weights and gradients, fp32 master weights and optimizer state (see autocast_only)."""
+    autocast_only: bool = False
+    """bf16/fp16: keep fp32 weights, gradients and optimizer state and only autocast the matmuls (more memory)."""
     loss_scale: float = 0.0
     """fp16 only: 0 = dynamic loss scaling; > 0 = this fixed scale."""
     initial_scale_power: int = 16
@@ -432,6 +434,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.val_fraction = {cfg.data.val_fraction} must be in (0, 1): validation needs data")
     if t.lr_schedule == "cosine" and t.warmup_type != "linear":
         raise ConfigError("train.warmup_type = 'log' needs a ds_* train.lr_schedule; cosine warms up linearly")
+    if t.autocast_only and t.precision == "fp32":
+        raise ConfigError("train.autocast_only applies to train.precision bf16 or fp16; remove it or set "
+                          "the precision")
     if t.precision == "fp16" and (t.initial_scale_power < 0 or t.loss_scale < 0 or t.hysteresis < 1
                                   or t.loss_scale_window < 1 or t.min_loss_scale <= 0):
         raise ConfigError("fp16 loss scaling needs loss_scale >= 0, initial_scale_power >= 0, "

@@ -23,8 +23,15 @@ Two implementations:
   `parallel.offload` those live and step on the host or in files (offload.py), also
   on a single rank.
 
-With pipeline parallelism (pp > 1) each of the rank's stages gets its own
-FSDP2DataParallel behind `PipelineDataParallel` (pipeline/chunks.py).
+16-bit model states (train.precision bf16/fp16 without train.autocast_only): FSDP2 keeps
+its sharded (zero 3) or replicated (zero 0) parameters in fp32 as the optimizer's masters
+and computes with 16-bit copies (MixedPrecisionPolicy: all-gathered in 16 bits, gradients
+reduced and kept in fp32); ZeroDataParallel computes with 16-bit replicas beside its fp32
+master shards. A single data-parallel rank uses ZeroDataParallel for its masters whatever
+parallel.zero says (with one rank the stages differ only in when gradients are copied).
+
+With pipeline parallelism (pp > 1) each of the rank's stages gets its own strategy (by
+the same rules) behind `PipelineDataParallel` (pipeline/chunks.py).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from polytrain.backend import get_accelerator
@@ -67,29 +74,55 @@ class DataParallel(Protocol):
     def close(self) -> None: ...
 
 
-def build_data_parallel(dims: ParallelDims, mesh: DeviceMesh | None, cfg: ParallelConfig,
-                        run_dir: Path | None = None) -> DataParallel:
-    """The strategy for `parallel.zero`; one data-parallel rank gets a plain optimizer unless offloading.
+def param_dtype_of(train: TrainConfig) -> torch.dtype:
+    """The dtype of the compute weights and their gradients: 16-bit in bf16/fp16 runs, whose optimizer
+    keeps fp32 masters, unless train.autocast_only keeps fp32 weights and autocasts only the matmuls."""
+    if train.precision == "fp32" or train.autocast_only:
+        return torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[train.precision]
 
-    `run_dir` is where nvme offload's files go when `parallel.nvme_path` is empty
-    (<run dir>/offload); without it, a fresh temp directory.
+
+def build_data_parallel(dims: ParallelDims, mesh: DeviceMesh | None, cfg: ParallelConfig,
+                        run_dir: Path | None = None, param_dtype: torch.dtype = torch.float32) -> DataParallel:
+    """The strategy for `parallel.zero` and `param_dtype` (see the module docstring).
+
+    One data-parallel rank in fp32 gets a plain optimizer unless offloading. `run_dir` is
+    where nvme offload's files go when `parallel.nvme_path` is empty (<run dir>/offload);
+    without it, a fresh temp directory.
     """
-    if dims.pp > 1:  # ZeRO-1/2 are refused with pp at start-up (pipeline/plan.py)
+    if dims.pp > 1:
         from polytrain.distributed.pipeline.chunks import PipelineDataParallel
 
-        return PipelineDataParallel(lambda: FSDP2DataParallel(dims, mesh, pipelined=True), mesh["pp"])
-    if dims.zero in (1, 2) and (dims.dp > 1 or cfg.offload != "none"):
+        return PipelineDataParallel(lambda: _strategy(dims, mesh, cfg, run_dir, param_dtype, pipelined=True),
+                                    mesh["pp"])
+    return _strategy(dims, mesh, cfg, run_dir, param_dtype)
+
+
+def _strategy(dims: ParallelDims, mesh: DeviceMesh | None, cfg: ParallelConfig, run_dir: Path | None,
+              param_dtype: torch.dtype, pipelined: bool = False) -> DataParallel:
+    """The strategy for one model (or pipeline stage)."""
+    zero12, mixed = dims.zero in (1, 2), param_dtype != torch.float32
+    if zero12 and (dims.dp > 1 or cfg.offload != "none") or mixed and dims.dp == 1:
         nvme_dir = cfg.nvme_path or (Path(run_dir) / "offload" if run_dir is not None else None)
         store = ShardStore(cfg.offload, nvme_dir, dist.get_rank() if dist.is_initialized() else 0)
         # ParallelDims puts all data-parallel ranks on dp_shard for these stages.
         dp_mesh = mesh["dp_shard"] if dims.dp > 1 else None
-        return ZeroDataParallel(dp_mesh, dims.zero, int(cfg.reduce_bucket_mb * 2**20), store)
-    return FSDP2DataParallel(dims, mesh)
+        return ZeroDataParallel(dp_mesh, dims.zero if zero12 else 1, int(cfg.reduce_bucket_mb * 2**20), store,
+                                param_dtype=param_dtype, pipelined=pipelined, tp=dims.tp)
+    return FSDP2DataParallel(dims, mesh, pipelined=pipelined, param_dtype=param_dtype)
 
 
-def shard_unit(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool) -> FSDPModule:
-    """`fully_shard` one FSDP2 unit, reducing its gradients the way the backend does fastest."""
-    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+def shard_unit(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool,
+               param_dtype: torch.dtype = torch.float32) -> FSDPModule:
+    """`fully_shard` one FSDP2 unit, reducing its gradients the way the backend does fastest.
+
+    16-bit `param_dtype`: the unit computes with 16-bit copies of its fp32 sharded
+    parameters and reduces (and keeps) gradients in fp32. Forward inputs are not cast:
+    the residual stream is whatever the 16-bit layers make of it, as under ZeRO-1/2.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                mp_policy=mp if param_dtype != torch.float32 else MixedPrecisionPolicy())
     if get_accelerator().reduce_scatter_by_all_reduce:
         module.set_custom_reduce_scatter(AllReduceScatter())
     return module
@@ -101,8 +134,9 @@ class FSDP2DataParallel:
     `pipelined`: the module is a pipeline stage, run by a schedule over many micro-batches.
     """
 
-    def __init__(self, dims: ParallelDims, mesh: DeviceMesh | None, pipelined: bool = False):
-        self.dims, self.mesh, self.pipelined = dims, mesh, pipelined
+    def __init__(self, dims: ParallelDims, mesh: DeviceMesh | None, pipelined: bool = False,
+                 param_dtype: torch.dtype = torch.float32):
+        self.dims, self.mesh, self.pipelined, self.param_dtype = dims, mesh, pipelined, param_dtype
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
 
@@ -128,16 +162,20 @@ class FSDP2DataParallel:
         blocks = list(model.layers.values())
         for i, block in enumerate(blocks):
             reshard = self.dims.zero == 3 and not self.pipelined and i < len(blocks) - 1
-            shard_unit(block, dp_mesh, reshard_after_forward=reshard)
+            shard_unit(block, dp_mesh, reshard_after_forward=reshard, param_dtype=self.param_dtype)
         # The root's parameters (embedding, head) are needed again right at the start
         # of backward, so they stay gathered after forward.
-        shard_unit(model, dp_mesh, reshard_after_forward=False)
+        shard_unit(model, dp_mesh, reshard_after_forward=False, param_dtype=self.param_dtype)
         return model
 
     def build_optimizer(self, model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
         self.model = model
         self.optimizer = build_optimizer(model, cfg)
         return self.optimizer
+
+    def named_optimizer_params(self) -> list[tuple[str, torch.Tensor]]:
+        """(FQN, tensor the optimizer steps) pairs: the parameters themselves."""
+        return list(self.model.named_parameters())
 
     def before_micro_batch(self, model: nn.Module, last: bool) -> None:
         """Reduce gradients across ranks only when needed during gradient accumulation.

@@ -25,7 +25,7 @@ from polytrain.config import Config, to_toml
 from polytrain.data import GlobalBatchSampler, TokenDataset, prepare_corpus, val_batches
 from polytrain.data.objectives import build_objective, reserved_ids
 from polytrain.distributed.activation_checkpoint import apply_activation_checkpointing
-from polytrain.distributed.data_parallel import build_data_parallel
+from polytrain.distributed.data_parallel import build_data_parallel, param_dtype_of
 from polytrain.distributed.materialize import materialize
 from polytrain.distributed.pipeline import PipelineRunner, plan_from_config, run_under, split_model
 from polytrain.distributed.pipeline.tied import COPIES, TiedEmbeddings
@@ -68,7 +68,10 @@ class Trainer:
         self.tokenizer = self.corpus.tokenizer
         # What the model reads and the loss scores: causal LM, BERT's masked LM or T5's span corruption.
         self.objective = build_objective(cfg, self.tokenizer)
-        self.dp = build_data_parallel(self.dims, self.mesh, cfg.parallel, run_dir=self.run_dir)
+        # 16-bit compute weights and gradients with fp32 masters, or fp32 throughout (param_dtype_of).
+        self.param_dtype = param_dtype_of(cfg.train)
+        self.dp = build_data_parallel(self.dims, self.mesh, cfg.parallel, run_dir=self.run_dir,
+                                      param_dtype=self.param_dtype)
         self.autocast_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
                                "fp16": torch.float16}[cfg.train.precision]
         self.pipeline: PipelineRunner | None = None  # set by _build_model when parallel.pp > 1
@@ -156,7 +159,8 @@ class Trainer:
         model = self.dp.parallelize(stages if plan else model)
         tied = TiedEmbeddings(stages, plan, self.mesh) if plan and cfg.model.tie_embeddings else None
         for stage in stages.values():
-            materialize(stage, self.device, cfg.run.seed, init_as=COPIES if tied else None)
+            materialize(stage, self.device, cfg.run.seed, init_as=COPIES if tied else None,
+                        round_to=self.param_dtype if self.param_dtype != torch.float32 else None)
         if tied:
             self.dp.copies = COPIES
         if plan:
@@ -170,7 +174,8 @@ class Trainer:
             hidden = (mbs, seq // dims.tp if dims.sp else seq, dim)
             self.pipeline = PipelineRunner(plan, stages, pp_rank, self.mesh["pp"].get_group(), self.device,
                                            mbs, seq, hidden_shape=hidden, logits_shape=(mbs, seq, vocab),
-                                           after_backward=tied.sum_gradients if tied else None)
+                                           after_backward=tied.sum_gradients if tied else None,
+                                           activation_dtype=self.param_dtype)
         return model
 
     def _loss_scaler(self) -> LossScaler | None:

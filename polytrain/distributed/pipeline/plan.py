@@ -83,9 +83,6 @@ def plan_from_config(cfg: Config, dp: int) -> PipelinePlan | None:
         if p.pp_split:
             raise ConfigError("parallel.pp_split only applies with parallel.pp > 1; remove it or raise pp")
         return None
-    if p.zero in (1, 2):
-        raise ConfigError(f"parallel.zero = {p.zero} does not compose with parallel.pp > 1 yet; "
-                          f"use parallel.zero = 0 (replicas) or 3 (sharded parameters)")
     from polytrain.models import ARCHITECTURES
 
     arch = ARCHITECTURES[cfg.model.arch]
