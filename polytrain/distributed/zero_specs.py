@@ -44,7 +44,7 @@ def as_sharded(local: torch.Tensor, like: torch.Tensor, dp_mesh: DeviceMesh | No
         return local
     stride = torch.empty(like.shape, device="meta").stride()  # contiguous, of the global shape
     spec = DTensorSpec(mesh, placements, TensorMeta(like.shape, stride, local.dtype))
-    return DTensor(local, spec, requires_grad=False)
+    return DTensor(local.detach(), spec, requires_grad=False)
 
 
 def replicas(param: torch.Tensor, plain: int = 1) -> int:
