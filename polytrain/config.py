@@ -194,9 +194,11 @@ class ParallelConfig:
     reduce_bucket_mb: float = 25.0
     """ZeRO-1/2: MiB of gradients reduce-scattered together; smaller buckets start during backward sooner."""
     offload: str = _choices("none", "cpu", "nvme")
-    """ZeRO-1/2 masters and optimizer state: on the accelerator (none), in host memory (cpu) or in files (nvme)."""
+    """Optimizer offload: ZeRO-1/2 masters and state, ZeRO-3 shards, on the accelerator (none), host (cpu) or files."""
+    offload_params: str = _choices("none", "cpu", "nvme")
+    """ZeRO-3 parameter offload: shards (with their gradients and optimizer state) in host memory or files (nvme)."""
     nvme_path: str = ""
-    """Directory of offload = nvme's memory-mapped state files; empty = <run dir>/offload (a temp dir if unknown)."""
+    """Directory of nvme offload's state files; empty = <run dir>/offload (a temp dir if unknown)."""
     tp: int = 1
     """Tensor-parallel degree: each layer's weights are split over this many consecutive ranks."""
     tp_mode: str = _choices("1d", "2d", "2.5d", "3d")
@@ -446,13 +448,33 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.min_lr = {t.min_lr} is above train.lr = {t.lr}")
     if cfg.parallel.reduce_bucket_mb <= 0:
         raise ConfigError(f"parallel.reduce_bucket_mb = {cfg.parallel.reduce_bucket_mb} must be positive")
-    if cfg.parallel.offload != "none" and cfg.parallel.zero not in (1, 2):
-        raise ConfigError(
-            f"parallel.offload = '{cfg.parallel.offload}' needs parallel.zero = 1 or 2, not {cfg.parallel.zero} "
-            f"(it moves ZeRO-1/2's sharded optimizer state); set parallel.zero = 2 or parallel.offload = 'none'"
-        )
+    _validate_offload(cfg)
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 0:
         raise ConfigError("checkpoint.every and checkpoint.keep must be >= 0")
+
+
+def _validate_offload(cfg: Config) -> None:
+    """parallel.offload / offload_params against the ZeRO stage and the layout."""
+    p = cfg.parallel
+    if p.offload != "none" and p.zero == 0:
+        raise ConfigError(f"parallel.offload = '{p.offload}' moves ZeRO's sharded optimizer state; set "
+                          f"parallel.zero to 1, 2 or 3, or parallel.offload = 'none'")
+    if p.offload_params != "none" and p.zero != 3:
+        raise ConfigError(f"parallel.offload_params = '{p.offload_params}' needs parallel.zero = 3 (sharded "
+                          f"parameters), not {p.zero}; set parallel.zero = 3 or use parallel.offload")
+    if p.zero != 3 or (p.offload, p.offload_params) == ("none", "none"):
+        return
+    if "none" not in (p.offload, p.offload_params) and p.offload != p.offload_params:
+        raise ConfigError(f"parallel.offload = '{p.offload}' and parallel.offload_params = '{p.offload_params}': "
+                          f"ZeRO-3's fp32 parameter shards are its optimizer's masters, so they live in one "
+                          f"place; give both the same value, or set one to 'none'")
+    for key, wrong in (("parallel.tp", p.tp != 1), ("parallel.pp", p.pp != 1)):
+        if wrong:
+            raise ConfigError(f"ZeRO-3 offload runs over data parallelism only; set {key} = 1 or "
+                              f"parallel.offload and parallel.offload_params to 'none'")
+    if "nvme" in (p.offload, p.offload_params) and cfg.train.precision == "fp16":
+        raise ConfigError("train.precision = fp16 with ZeRO-3 nvme offload: fp16 loss scaling unscales the "
+                          "gradients in memory, and these live in files; use train.precision = bf16")
 
 
 def _validate_model(m: ModelConfig) -> None:

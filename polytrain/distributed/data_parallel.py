@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from polytrain.backend import get_accelerator
@@ -102,27 +102,45 @@ def _strategy(dims: ParallelDims, mesh: DeviceMesh | None, cfg: ParallelConfig, 
               param_dtype: torch.dtype, pipelined: bool = False) -> DataParallel:
     """The strategy for one model (or pipeline stage)."""
     zero12, mixed = dims.zero in (1, 2), param_dtype != torch.float32
+    nvme_dir = cfg.nvme_path or (Path(run_dir) / "offload" if run_dir is not None else None)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if dims.zero == 3 and zero3_offload(cfg) == "nvme":
+        from polytrain.distributed.zero3_offload import NvmeFSDP2DataParallel
+
+        return NvmeFSDP2DataParallel(dims, mesh, nvme_dir, rank, param_dtype=param_dtype)
     if zero12 and (dims.dp > 1 or cfg.offload != "none") or mixed and dims.dp == 1:
-        nvme_dir = cfg.nvme_path or (Path(run_dir) / "offload" if run_dir is not None else None)
-        store = ShardStore(cfg.offload, nvme_dir, dist.get_rank() if dist.is_initialized() else 0)
+        store = ShardStore(cfg.offload, nvme_dir, rank)
         # ParallelDims puts all data-parallel ranks on dp_shard for these stages.
         dp_mesh = mesh["dp_shard"] if dims.dp > 1 else None
         return ZeroDataParallel(dp_mesh, dims.zero if zero12 else 1, int(cfg.reduce_bucket_mb * 2**20), store,
                                 param_dtype=param_dtype, pipelined=pipelined, tp=dims.tp)
-    return FSDP2DataParallel(dims, mesh, pipelined=pipelined, param_dtype=param_dtype)
+    offload = zero3_offload(cfg) if dims.zero == 3 else "none"
+    return FSDP2DataParallel(dims, mesh, pipelined=pipelined, param_dtype=param_dtype, offload=offload)
+
+
+def zero3_offload(cfg: ParallelConfig) -> str:
+    """Where ZeRO-3 keeps its sharded state: its fp32 shards are the optimizer's masters, so
+    parallel.offload_params and parallel.offload (checked to agree) both move them."""
+    return cfg.offload_params if cfg.offload_params != "none" else cfg.offload
 
 
 def shard_unit(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool,
-               param_dtype: torch.dtype = torch.float32) -> FSDPModule:
+               param_dtype: torch.dtype = torch.float32, offload: str = "none") -> FSDPModule:
     """`fully_shard` one FSDP2 unit, reducing its gradients the way the backend does fastest.
 
     16-bit `param_dtype`: the unit computes with 16-bit copies of its fp32 sharded
     parameters and reduces (and keeps) gradients in fp32. Forward inputs are not cast:
     the residual stream is whatever the 16-bit layers make of it, as under ZeRO-1/2.
+    `offload` "cpu" (or "nvme", whose files hold the host shards): FSDP2's CPU offload,
+    the sharded parameters, gradients and optimizer step on the host, each unit's
+    shards copied to the device for its all-gathers.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    # Pinned host shards would speed the copies, but nvme offload resizes their storage.
+    policy = (CPUOffloadPolicy(pin_memory=offload == "cpu" and get_accelerator().pin_memory_available())
+              if offload != "none" else OffloadPolicy())
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                mp_policy=mp if param_dtype != torch.float32 else MixedPrecisionPolicy())
+                mp_policy=mp if param_dtype != torch.float32 else MixedPrecisionPolicy(), offload_policy=policy)
     if get_accelerator().reduce_scatter_by_all_reduce:
         module.set_custom_reduce_scatter(AllReduceScatter())
     return module
@@ -135,8 +153,11 @@ class FSDP2DataParallel:
     """
 
     def __init__(self, dims: ParallelDims, mesh: DeviceMesh | None, pipelined: bool = False,
-                 param_dtype: torch.dtype = torch.float32):
+                 param_dtype: torch.dtype = torch.float32, offload: str = "none"):
         self.dims, self.mesh, self.pipelined, self.param_dtype = dims, mesh, pipelined, param_dtype
+        self.offload = offload
+        # Where materialize puts the (sharded) parameters: FSDP2's CPU offload wants them on the host.
+        self.param_device = torch.device("cpu") if offload != "none" else None
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
 
@@ -162,10 +183,10 @@ class FSDP2DataParallel:
         blocks = list(model.layers.values())
         for i, block in enumerate(blocks):
             reshard = self.dims.zero == 3 and not self.pipelined and i < len(blocks) - 1
-            shard_unit(block, dp_mesh, reshard_after_forward=reshard, param_dtype=self.param_dtype)
+            shard_unit(block, dp_mesh, reshard, self.param_dtype, self.offload)
         # The root's parameters (embedding, head) are needed again right at the start
         # of backward, so they stay gathered after forward.
-        shard_unit(model, dp_mesh, reshard_after_forward=False, param_dtype=self.param_dtype)
+        shard_unit(model, dp_mesh, False, self.param_dtype, self.offload)
         return model
 
     def build_optimizer(self, model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -202,7 +223,14 @@ class FSDP2DataParallel:
         """
         grads = [p.grad for n, p in self.model.named_parameters() if p.grad is not None and n not in leave_out]
         stage_ranks = self.dims.world_size // self.dims.pp
-        return squared_norm_share(grads, stage_ranks, next(self.model.parameters()).device)
+        return squared_norm_share(grads, stage_ranks, self.compute_device)
+
+    @property
+    def compute_device(self) -> torch.device:
+        """Where the model computes and collectives run (offloaded shards sit on the host)."""
+        if self.offload != "none":
+            return torch.device(get_accelerator().device_type)
+        return next(self.model.parameters()).device
 
     @torch.no_grad()
     def scale_gradients(self, factor: torch.Tensor | float) -> None:

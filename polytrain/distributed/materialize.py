@@ -23,7 +23,7 @@ from polytrain.models.common.init import seed_for
 
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device, seed: int, init_as: dict[str, str] | None = None,
-                round_to: torch.dtype | None = None) -> None:
+                round_to: torch.dtype | None = None, param_device: torch.device | None = None) -> None:
     """Allocate `model` (built on meta, possibly sharded) on `device` and initialise it.
 
     The model provides `init_parameter(name, full_cpu_tensor, generator)` and
@@ -31,8 +31,11 @@ def materialize(model: nn.Module, device: torch.device, seed: int, init_as: dict
     maps a parameter that copies another (a pipeline's tied output head) to the name
     whose initial values it takes. `round_to`: a 16-bit dtype the initial values pass
     through (mixed precision: fp32 masters that start as copies of the 16-bit weights).
+    `param_device`: where the parameters go if not to `device` (offloaded shards: the
+    host); buffers always go to `device`, where the model computes.
     """
-    model.to_empty(device=device)
+    param_device = param_device or device
+    model.to_empty(device=param_device)
     for name, param in model.named_parameters():
         source = (init_as or {}).get(name, name)
 
@@ -46,7 +49,12 @@ def materialize(model: nn.Module, device: torch.device, seed: int, init_as: dict
                 continue
             except UnsupportedInit:
                 pass  # an initialiser a window cannot reproduce: generate it whole below
-        _init_whole(init, param, device, round_to)
+        _init_whole(init, param, param_device, round_to)
+    if param_device != device:
+        for module in model.modules():
+            for key, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[key] = buffer.to(device)
     model.init_buffers()
 
 

@@ -111,8 +111,12 @@ class ParallelDims:
                 raise ConfigError("parallel.zero_shard only applies with parallel.zero = 3; remove it or set zero = 3")
             shard = dp if p.zero in (1, 2) else 1
         check_tensor_parallel(cfg, dp)  # tp against the model, the sequence and the ZeRO stage
-        if p.offload == "nvme" and p.nvme_path:
+        if "nvme" in (p.offload, p.offload_params) and p.nvme_path:
             check_nvme_path(p.nvme_path)  # here, not in config.validate: another machine may read the config
+        if p.zero == 3 and "none" != (p.offload_params if p.offload_params != "none" else p.offload) and shard < 2:
+            raise ConfigError(f"ZeRO-3 offload shards the model over parallel.zero_shard = {shard} rank(s); it "
+                              f"needs at least 2 (parallel.nproc >= 2), or use parallel.zero = 2 with "
+                              f"parallel.offload on one process")
         per_step = t.micro_batch_size * dp
         if t.global_batch_size % per_step:
             options = sorted({max(per_step, t.global_batch_size // per_step * per_step),

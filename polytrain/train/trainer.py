@@ -160,7 +160,8 @@ class Trainer:
         tied = TiedEmbeddings(stages, plan, self.mesh) if plan and cfg.model.tie_embeddings else None
         for stage in stages.values():
             materialize(stage, self.device, cfg.run.seed, init_as=COPIES if tied else None,
-                        round_to=self.param_dtype if self.param_dtype != torch.float32 else None)
+                        round_to=self.param_dtype if self.param_dtype != torch.float32 else None,
+                        param_device=getattr(self.dp, "param_device", None))
         if tied:
             self.dp.copies = COPIES
         if plan:
