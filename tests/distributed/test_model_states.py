@@ -61,52 +61,64 @@ def resume_from_step(straight_dir: Path, resumed_dir: Path, step: int = 5) -> No
     shutil.copytree(straight_dir / "checkpoints" / f"step_{step}", resumed_dir / "checkpoints" / f"step_{step}")
 
 
-def test_16bit_states_at_zero_0_to_3(small_corpus, tmp_path):
+@pytest.fixture(scope="module")
+def single_fp32(small_corpus, tmp_path_factory) -> Path:
+    """The fp32 single-process run every layout here is measured against (checkpoints at 5 and 10)."""
+    run_dir = tmp_path_factory.mktemp("single_fp32")
+    train(_steps(small_corpus, run_dir))
+    return run_dir
+
+
+def test_16bit_states_at_zero_0_to_3_and_offloaded(small_corpus, tmp_path, single_fp32):
     bf16 = ["--train.precision", "bf16"]
     single = tmp_path / "single"
     train(_steps(small_corpus, single, *bf16))
-    fp32 = tmp_path / "fp32"
-    train(_steps(small_corpus, fp32))
     layouts = {f"zero{z}": ["--parallel.zero", str(z)] for z in (0, 1, 2, 3)}
-    runs = [(_steps(small_corpus, tmp_path / name, *bf16, *extra), None, None) for name, extra in layouts.items()]
-    # zero 3 at 2 ranks -> zero 1 at 2 ranks, from step 5 (fp32 masters in the checkpoint)
-    runs.append((_steps(small_corpus, tmp_path / "z3_to_z1", *bf16, "--parallel.zero", "1"),
-                 tmp_path / "zero3", tmp_path / "z3_to_z1"))
+    offloaded = {f"zero3_{mode}": ["--parallel.zero", "3", "--parallel.offload_params", mode,
+                                   "--parallel.nvme_path", str(tmp_path / "nvme")] for mode in ("cpu", "nvme")}
+    runs = [(_steps(small_corpus, tmp_path / name, *bf16, *extra), None, None)
+            for name, extra in (layouts | offloaded).items()]
+    # zero 3 -> zero 3 with nvme offload, from step 5 (fp32 masters in the checkpoint)
+    runs.append((_steps(small_corpus, tmp_path / "z3_to_nvme", *bf16, *offloaded["zero3_nvme"]),
+                 tmp_path / "zero3", tmp_path / "z3_to_nvme"))
     dtypes = run_ranks(2, _train_in_order, runs)[0]
-    for name in layouts:
+    for name in layouts | offloaded:
         assert dtypes[str(tmp_path / name)] == {"torch.bfloat16"}, name  # computed with 16-bit weights
         assert_close_16bit(train_rows(single), train_rows(tmp_path / name), f"bf16 {name} at 2 ranks")
-    assert_close_16bit(rows_after(tmp_path / "zero3", 5), train_rows(tmp_path / "z3_to_z1"), "bf16 zero3 -> zero1")
+    for name in offloaded:  # offload moves tensors, not arithmetic
+        assert_same_trajectory(train_rows(tmp_path / "zero3"), train_rows(tmp_path / name), 1e-6, name)
+    assert_same_trajectory(rows_after(tmp_path / "zero3", 5), train_rows(tmp_path / "z3_to_nvme"), 1e-6,
+                           "bf16 zero3 -> zero3 nvme")
+    assert not list((tmp_path / "nvme").iterdir())  # each rank's files are gone at the end
     # ... -> one process, which keeps fp32 masters in a plain ZeroDataParallel.
-    resumed = tmp_path / "z2_to_single"
-    resume_from_step(tmp_path / "zero2", resumed)
-    train(_steps(small_corpus, resumed, *bf16))
-    assert_close_16bit(rows_after(tmp_path / "zero2", 5), train_rows(resumed), "bf16 zero2 -> 1 process")
+    for source in ("zero2", "zero3_nvme"):
+        resumed = tmp_path / f"{source}_to_single"
+        resume_from_step(tmp_path / source, resumed)
+        train(_steps(small_corpus, resumed, *bf16))
+        assert_close_16bit(rows_after(tmp_path / source, 5), train_rows(resumed), f"bf16 {source} -> 1 process")
     # 16-bit training stays close to fp32 (the 200-step figure is in benchmarks/RESULTS.md).
-    assert_close_16bit(train_rows(fp32), train_rows(single), "bf16 against fp32")
+    assert_close_16bit(train_rows(single_fp32), train_rows(single), "bf16 against fp32")
     # Checkpoints hold the fp32 masters, whatever the compute dtype.
     import torch.distributed.checkpoint as dcp
 
     from polytrain.train.checkpoint import latest_checkpoint
 
-    for name in ("zero0", "zero1", "zero3"):
+    for name in ("zero0", "zero1", "zero3_nvme"):
         meta = dcp.FileSystemReader(str(latest_checkpoint(tmp_path / name))).read_metadata().state_dict_metadata
         dtypes = {m.properties.dtype for key, m in meta.items() if key.startswith("model.")}
         assert dtypes == {torch.float32}, name
 
 
-def test_fp16_states_on_one_process_match_fp32(small_corpus, tmp_path):
+def test_fp16_states_on_one_process_match_fp32(small_corpus, tmp_path, single_fp32):
     # fp16's gradient shards are unscaled in fp32 (ZeroDataParallel.gradients upcasts them).
-    train(tiny_overrides(small_corpus, tmp_path / "fp32"))
-    train(tiny_overrides(small_corpus, tmp_path / "fp16", train__precision="fp16"))
-    rows = train_rows(tmp_path / "fp16")
+    train(_steps(small_corpus, tmp_path, "--train.precision", "fp16"))
+    rows = train_rows(tmp_path)
     assert rows[-1]["loss_scale"] == 2.0 ** 16 and rows[-1]["skipped_steps"] == 0
-    assert_close_16bit(train_rows(tmp_path / "fp32"), rows, "fp16 against fp32")
+    assert_close_16bit(train_rows(single_fp32), rows, "fp16 against fp32")
 
 
-def test_zero12_with_tensor_and_pipeline_parallelism(small_corpus, tmp_path):
-    ref, tied = tmp_path / "single", tmp_path / "single_tied"
-    train(_steps(small_corpus, ref))
+def test_zero12_with_tensor_and_pipeline_parallelism(small_corpus, tmp_path, single_fp32):
+    ref, tied = single_fp32, tmp_path / "single_tied"
     train(_steps(small_corpus, tied, "--model.tie_embeddings", "true"))
     layouts = {
         "zero1_tp2": (["--parallel.zero", "1", "--parallel.tp", "2"], ref),
@@ -114,6 +126,8 @@ def test_zero12_with_tensor_and_pipeline_parallelism(small_corpus, tmp_path):
         "zero1_pp2": (["--parallel.zero", "1", "--parallel.pp", "2"], ref),
         # Tied embeddings across stages: their gradients are summed before ZeRO-2 reduces them.
         "zero2_pp2_tied": (["--parallel.zero", "2", "--parallel.pp", "2", "--model.tie_embeddings", "true"], tied),
+        "zero3_nvme": (["--parallel.zero", "3", "--parallel.offload_params", "nvme",
+                        "--parallel.nvme_path", str(tmp_path / "nvme")], ref),
     }
     runs = [(_steps(small_corpus, tmp_path / name, *extra), None, None) for name, (extra, _) in layouts.items()]
     # zero 1 x tp 2 -> zero 2 x pp 2, from step 5
@@ -123,4 +137,3 @@ def test_zero12_with_tensor_and_pipeline_parallelism(small_corpus, tmp_path):
     for name, (_, reference) in layouts.items():
         assert_same_trajectory(train_rows(reference), train_rows(tmp_path / name), RTOL, f"{name} at 4 ranks")
     assert_same_trajectory(rows_after(ref, 5), train_rows(tmp_path / "tp_to_pp"), RTOL, "zero1 tp2 -> zero2 pp2")
-
