@@ -37,28 +37,40 @@ def materialize(model: nn.Module, device: torch.device, seed: int, init_as: dict
     param_device = param_device or device
     model.to_empty(device=param_device)
     for name, param in model.named_parameters():
-        source = (init_as or {}).get(name, name)
+        init_parameter(model, name, param, seed, init_as, round_to)
+    place_buffers(model, device)
 
-        def init(tensor: torch.Tensor, source: str = source) -> None:
-            generator = torch.Generator().manual_seed(seed_for(seed, source))
-            model.init_parameter(source, tensor, generator)
 
-        if isinstance(param, DTensor):
-            try:
-                init_local_shard(init, param, round_to)
-                continue
-            except UnsupportedInit:
-                pass  # an initialiser a window cannot reproduce: generate it whole below
-        _init_whole(init, param, param_device, round_to)
-    if param_device != device:
-        for module in model.modules():
-            for key, buffer in module._buffers.items():
-                if buffer is not None:
-                    module._buffers[key] = buffer.to(device)
+@torch.no_grad()
+def init_parameter(model: nn.Module, name: str, param: torch.Tensor, seed: int,
+                   init_as: dict[str, str] | None = None, round_to: torch.dtype | None = None) -> None:
+    """Fill one allocated parameter (this rank's shard of a DTensor) with its name-seeded initial values."""
+    source = (init_as or {}).get(name, name)
+
+    def init(tensor: torch.Tensor) -> None:
+        model.init_parameter(source, tensor, torch.Generator().manual_seed(seed_for(seed, source)))
+
+    if isinstance(param, DTensor):
+        try:
+            init_local_shard(init, param, round_to)
+            return
+        except UnsupportedInit:
+            pass  # an initialiser a window cannot reproduce: generate it whole below
+    _init_whole(init, param, param.device, round_to)
+
+
+@torch.no_grad()
+def place_buffers(model: nn.Module, device: torch.device) -> None:
+    """Move the buffers to `device` (allocating any still on meta) and let the model compute them."""
+    for module in model.modules():
+        for key, buffer in module._buffers.items():
+            if buffer is not None and (buffer.is_meta or buffer.device != device):
+                module._buffers[key] = torch.empty_like(buffer, device=device) if buffer.is_meta else buffer.to(device)
     model.init_buffers()
 
 
-def _init_whole(init: Callable[[torch.Tensor], None], param: torch.Tensor, device: torch.device, round_to: torch.dtype | None) -> None:
+def _init_whole(init: Callable[[torch.Tensor], None], param: torch.Tensor, device: torch.device,
+                round_to: torch.dtype | None) -> None:
     """Generate the full tensor on the CPU and keep this rank's part (all of it for a replica)."""
     full = torch.empty(param.shape, dtype=torch.float32)  # global shape, also for DTensors
     init(full)

@@ -32,6 +32,7 @@ their `unshard` and `post_backward` are wrapped per instance.
 
 from __future__ import annotations
 
+import math
 import shutil
 import tempfile
 import weakref
@@ -47,6 +48,7 @@ from polytrain.backend import get_accelerator
 from polytrain.config import TrainConfig
 from polytrain.distributed.block_io import BlockIO
 from polytrain.distributed.data_parallel import FSDP2DataParallel
+from polytrain.distributed.materialize import init_parameter, place_buffers
 from polytrain.distributed.offload import fresh_state, state_names
 from polytrain.distributed.topology import ParallelDims
 from polytrain.optim.builder import build_optimizer
@@ -72,16 +74,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class Unit:
     """One FSDP2 unit's sharded tensors and their places in the unit's files."""
 
-    def __init__(self, index: int, module: nn.Module, io: BlockIO, kinds: tuple[str, ...]):
+    def __init__(self, index: int, module: nn.Module, io: BlockIO):
         self.index, self.module, self.io = index, module, io
         self.group = module._get_fsdp_state()._fsdp_param_group
         self.fsdp_params = list(self.group.fsdp_params)
         self.offsets, total = [], 0
         for fp in self.fsdp_params:  # every kind at the offsets of the padded parameter shards
             self.offsets.append(total)
-            total += fp._sharded_param_data.numel() * F32
-        self.files = {kind: io.file(f"unit{index}_{kind}.f32", total) for kind in ("param", "grad", *kinds)}
+            total += math.prod(fp.padded_sharded_param_size) * F32
         self.nbytes = total
+        self.files = {kind: io.file(f"unit{index}_{kind}.f32", total) for kind in ("param", "grad")}
         self.param_read: Future | None = None  # parameters being read back
         self.resident = True  # parameter shards in memory
         self.has_grads = False  # the grad file holds this step's sum so far
@@ -147,7 +149,6 @@ class NvmeFSDP2DataParallel(FSDP2DataParallel):
         self._remove = weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)
         self.io = BlockIO(self.dir)
         self.units: list[Unit] = []
-        self._by_group: dict[int, Unit] = {}
         self._order: list[int] = []  # unit indices in the order the last pass unsharded them
         self._seen: list[int] = []  # ... and this pass so far
         self._factor: torch.Tensor | None = None
@@ -155,17 +156,53 @@ class NvmeFSDP2DataParallel(FSDP2DataParallel):
 
     # ----- set-up -----
 
+    def _make_units(self, model: nn.Module) -> None:
+        """One Unit per FSDP2 module, the root (index 0) first, then the blocks in order."""
+        fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self.units = [Unit(index, module, self.io) for index, module in enumerate(fsdp_modules)]
+
+    @torch.no_grad()
+    def materialize(self, model: nn.Module, device: torch.device, seed: int, init_as: dict[str, str] | None = None,
+                    round_to: torch.dtype | None = None, param_device: torch.device | None = None) -> None:
+        """materialize.py's, one unit at a time: allocate its shards on the host, initialise them,
+        write them to the unit's file and free them, so start-up never holds more than one unit.
+
+        Each unit's parameters are allocated by their own modules (not recursing into
+        other units), and FSDP2 re-pads its shards there and then, not at its lazy init.
+        """
+        self.model = model
+        names = {(id(module), key): f"{prefix}.{key}" if prefix else key
+                 for prefix, module in model.named_modules() for key in module._parameters}
+        self._make_units(model)
+        for unit in self.units:
+            owners = {id(fp._module_info.module): fp._module_info.module for fp in unit.fsdp_params}
+            for module in owners.values():
+                module.to_empty(device=torch.device("cpu"), recurse=False)
+            for fp in unit.fsdp_params:
+                fp.reset_sharded_param()
+                info = fp._module_info
+                init_parameter(model, names[(id(info.module), info.param_name)], fp.sharded_param, seed,
+                               init_as, round_to)
+            unit.group._reset_sharded_params = True  # done: FSDP2's lazy init would re-pad dropped shards
+            unit.write("param", unit.data)
+            unit.drop_params()
+        place_buffers(model, device)
+
     def build_optimizer(self, model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-        """The optimizer over FSDP2's sharded parameters, then every unit's state moved to its files."""
+        """The optimizer over FSDP2's sharded parameters, its zero state in the units' files."""
         self.model = model
         self.optimizer = build_optimizer(model, cfg)
         self.kinds = state_names(self.optimizer)
-        model._get_fsdp_state()._lazy_init()  # FSDP2 re-pads the shards here; they must be in memory
-        fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        for index, module in enumerate(fsdp_modules):
-            unit = Unit(index, module, self.io, self.kinds)
-            self.units.append(unit)
-            self._by_group[id(unit.group)] = unit
+        if not self.units:  # materialized whole (materialize.py), not unit by unit
+            model._get_fsdp_state()._lazy_init()  # FSDP2 re-pads the shards here, in memory
+            self._make_units(model)
+            for unit in self.units:
+                unit.write("param", unit.data)
+                unit.drop_params()
+        model._get_fsdp_state()._lazy_init()
+        for unit in self.units:
+            for kind in self.kinds:
+                unit.files[kind] = self.io.file(f"unit{unit.index}_{kind}.f32", unit.nbytes)
             for fp in unit.fsdp_params:
                 p = fp.sharded_param
                 # Zero state from the start, dropped at once: the files are zeros already.
@@ -173,8 +210,6 @@ class NvmeFSDP2DataParallel(FSDP2DataParallel):
                 self.optimizer.state[p] = fresh_state(self.optimizer, tensors)
                 for t in tensors.values():
                     _drop(_local(t))
-            unit.write("param", unit.data)
-            unit.drop_params()
             self._wrap(unit)
         return self.optimizer
 

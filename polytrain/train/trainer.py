@@ -158,8 +158,9 @@ class Trainer:
             apply_activation_checkpointing(stage, cfg.train.activation_checkpoint)
         model = self.dp.parallelize(stages if plan else model)
         tied = TiedEmbeddings(stages, plan, self.mesh) if plan and cfg.model.tie_embeddings else None
+        init = getattr(self.dp, "materialize", materialize)  # ZeRO-3 nvme offload: unit by unit
         for stage in stages.values():
-            materialize(stage, self.device, cfg.run.seed, init_as=COPIES if tied else None,
+            init(stage, self.device, cfg.run.seed, init_as=COPIES if tied else None,
                         round_to=self.param_dtype if self.param_dtype != torch.float32 else None,
                         param_device=getattr(self.dp, "param_device", None))
         if tied:
