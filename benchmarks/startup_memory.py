@@ -53,10 +53,10 @@ def _start_up(rank: int, world_size: int, size: str, whole: bool) -> dict:
 
     from polytrain.config import load_config
     from polytrain.distributed import materialize as module
-    from polytrain.distributed.data_parallel import build_data_parallel
+    from polytrain.distributed.strategies import build_data_parallel
     from polytrain.distributed.shard_init import UnsupportedInit
-    from polytrain.distributed.topology import ParallelDims
     from polytrain.models import ARCHITECTURES
+    from polytrain.train.startup import start
 
     if whole:
         def decline(*args, **kwargs):
@@ -65,15 +65,14 @@ def _start_up(rank: int, world_size: int, size: str, whole: bool) -> dict:
         module.init_local_shard = decline
     cfg = load_config(None, ["--model.size", size, "--parallel.zero", "3",
                              "--train.global_batch_size", str(8 * world_size)])
-    dims = ParallelDims.from_config(cfg, world_size)
-    mesh = dims.build_mesh("cpu")
+    runtime, _ = start(cfg)  # joins the job run_ranks set up
     with open("/proc/self/clear_refs", "w") as f:  # "5" resets VmHWM to the current RSS (Linux)
         f.write("5")
     before = _status_mib("VmRSS")
     with torch.device("meta"):
         model = ARCHITECTURES["llama"].build(cfg.model)
     psi = model.num_params()
-    dp = build_data_parallel(dims, mesh, cfg.parallel)
+    dp = build_data_parallel(runtime, cfg.parallel)
     model = dp.parallelize(model)
     start = time.perf_counter()
     module.materialize(model, torch.device("cpu"), cfg.run.seed)

@@ -1,6 +1,6 @@
 """Data parallelism and ZeRO behind one small strategy interface the trainer talks to.
 
-    dp = build_data_parallel(dims, mesh, cfg.parallel)
+    dp = build_data_parallel(runtime, cfg.parallel)   # strategies.py: which strategy for the config
     model = dp.parallelize(model)                     # on the meta device, before materialize
     optimizer = dp.build_optimizer(model, cfg.train)  # after materialize; its param_groups carry the lr
     for i, batch in enumerate(micro_batches):
@@ -40,19 +40,15 @@ from pathlib import Path
 from typing import Collection, Protocol
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from polytrain.backend import get_accelerator
-from polytrain.config import ParallelConfig, TrainConfig
-from polytrain.distributed.offload import ShardStore
+from polytrain.config import TrainConfig
 from polytrain.distributed.reduce_scatter import AllReduceScatter
-from polytrain.distributed.topology import ParallelDims
-from polytrain.distributed.zero import ZeroDataParallel
+from polytrain.distributed.runtime import Runtime
 from polytrain.optim.builder import build_optimizer
 from polytrain.optim.clip import clip_coefficient, global_norm, squared_norm_share
 
@@ -74,74 +70,24 @@ class DataParallel(Protocol):
     def close(self) -> None: ...
 
 
-def param_dtype_of(train: TrainConfig) -> torch.dtype:
-    """The dtype of the compute weights and their gradients: 16-bit in bf16/fp16 runs, whose optimizer
-    keeps fp32 masters, unless train.autocast_only keeps fp32 weights and autocasts only the matmuls."""
-    if train.precision == "fp32" or train.autocast_only:
-        return torch.float32
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}[train.precision]
-
-
-def build_data_parallel(dims: ParallelDims, mesh: DeviceMesh | None, cfg: ParallelConfig,
-                        run_dir: Path | None = None, param_dtype: torch.dtype = torch.float32) -> DataParallel:
-    """The strategy for `parallel.zero` and `param_dtype` (see the module docstring).
-
-    One data-parallel rank in fp32 gets a plain optimizer unless offloading. `run_dir` is
-    where nvme offload's files go when `parallel.nvme_path` is empty (<run dir>/offload);
-    without it, a fresh temp directory.
-    """
-    if dims.pp > 1:
-        from polytrain.distributed.pipeline.chunks import PipelineDataParallel
-
-        return PipelineDataParallel(lambda: _strategy(dims, mesh, cfg, run_dir, param_dtype, pipelined=True),
-                                    mesh["pp"])
-    return _strategy(dims, mesh, cfg, run_dir, param_dtype)
-
-
-def _strategy(dims: ParallelDims, mesh: DeviceMesh | None, cfg: ParallelConfig, run_dir: Path | None,
-              param_dtype: torch.dtype, pipelined: bool = False) -> DataParallel:
-    """The strategy for one model (or pipeline stage)."""
-    zero12, mixed = dims.zero in (1, 2), param_dtype != torch.float32
-    nvme_dir = cfg.nvme_path or (Path(run_dir) / "offload" if run_dir is not None else None)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if dims.zero == 3 and zero3_offload(cfg) == "nvme":
-        from polytrain.distributed.zero3_offload import NvmeFSDP2DataParallel
-
-        return NvmeFSDP2DataParallel(dims, mesh, nvme_dir, rank, param_dtype=param_dtype)
-    if zero12 and (dims.dp > 1 or cfg.offload != "none") or mixed and dims.dp == 1:
-        store = ShardStore(cfg.offload, nvme_dir, rank)
-        # ParallelDims puts all data-parallel ranks on dp_shard for these stages.
-        dp_mesh = mesh["dp_shard"] if dims.dp > 1 else None
-        return ZeroDataParallel(dp_mesh, dims.zero if zero12 else 1, int(cfg.reduce_bucket_mb * 2**20), store,
-                                param_dtype=param_dtype, pipelined=pipelined, tp=dims.tp)
-    offload = zero3_offload(cfg) if dims.zero == 3 else "none"
-    return FSDP2DataParallel(dims, mesh, pipelined=pipelined, param_dtype=param_dtype, offload=offload)
-
-
-def zero3_offload(cfg: ParallelConfig) -> str:
-    """Where ZeRO-3 keeps its sharded state: its fp32 shards are the optimizer's masters, so
-    parallel.offload_params and parallel.offload (checked to agree) both move them."""
-    return cfg.offload_params if cfg.offload_params != "none" else cfg.offload
-
-
-def shard_unit(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool,
-               param_dtype: torch.dtype = torch.float32, offload: str = "none") -> FSDPModule:
-    """`fully_shard` one FSDP2 unit, reducing its gradients the way the backend does fastest.
+def shard_unit(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool, reduce_by_all_reduce: bool,
+               param_dtype: torch.dtype = torch.float32, offload: str = "none", pin: bool = False) -> FSDPModule:
+    """`fully_shard` one FSDP2 unit; `reduce_by_all_reduce`: the backend's reduce-scatter is
+    slower than its all-reduce (the accelerator says), so gradients are reduced by the latter.
 
     16-bit `param_dtype`: the unit computes with 16-bit copies of its fp32 sharded
     parameters and reduces (and keeps) gradients in fp32. Forward inputs are not cast:
     the residual stream is whatever the 16-bit layers make of it, as under ZeRO-1/2.
     `offload` "cpu" (or "nvme", whose files hold the host shards): FSDP2's CPU offload,
-    the sharded parameters, gradients and optimizer step on the host, each unit's
-    shards copied to the device for its all-gathers.
+    the sharded parameters, gradients and optimizer step on the host, each unit's shards
+    copied to the device for its all-gathers; `pin`: page-locked host shards (not with
+    nvme, which frees and regrows their storage).
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
-    # Pinned host shards would speed the copies, but nvme offload resizes their storage.
-    policy = (CPUOffloadPolicy(pin_memory=offload == "cpu" and get_accelerator().pin_memory_available())
-              if offload != "none" else OffloadPolicy())
+    policy = CPUOffloadPolicy(pin_memory=pin and offload == "cpu") if offload != "none" else OffloadPolicy()
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
                 mp_policy=mp if param_dtype != torch.float32 else MixedPrecisionPolicy(), offload_policy=policy)
-    if get_accelerator().reduce_scatter_by_all_reduce:
+    if reduce_by_all_reduce:
         module.set_custom_reduce_scatter(AllReduceScatter())
     return module
 
@@ -152,10 +98,10 @@ class FSDP2DataParallel:
     `pipelined`: the module is a pipeline stage, run by a schedule over many micro-batches.
     """
 
-    def __init__(self, dims: ParallelDims, mesh: DeviceMesh | None, pipelined: bool = False,
-                 param_dtype: torch.dtype = torch.float32, offload: str = "none"):
-        self.dims, self.mesh, self.pipelined, self.param_dtype = dims, mesh, pipelined, param_dtype
-        self.offload = offload
+    def __init__(self, runtime: Runtime, pipelined: bool = False, param_dtype: torch.dtype = torch.float32,
+                 offload: str = "none"):
+        self.runtime, self.pipelined, self.param_dtype, self.offload = runtime, pipelined, param_dtype, offload
+        self.dims, self.mesh = runtime.dims, runtime.mesh
         # Where materialize puts the (sharded) parameters: FSDP2's CPU offload wants them on the host.
         self.param_device = torch.device("cpu") if offload != "none" else None
         self.model: nn.Module | None = None
@@ -172,6 +118,14 @@ class FSDP2DataParallel:
         if self.dims.dp == 1:
             return model
         dp_mesh = self.mesh["dp_replicate", "dp_shard"]
+        by_all_reduce = self.runtime.acc.reduce_scatter_by_all_reduce
+        unit_options = (self.param_dtype, self.offload, self.runtime.acc.pin_memory_available())
+        if not isinstance(getattr(model, "layers", None), nn.ModuleDict):
+            # A model without a `layers` dict of blocks (a user's, through polytrain.initialize)
+            # is one unit, gathered whole for forward and backward: ZeRO-3 then saves optimizer
+            # and gradient memory, but not the peak of the parameters.
+            shard_unit(model, dp_mesh, self.dims.zero == 3, by_all_reduce, *unit_options)
+            return model
         # Re-gathering after forward is what saves ZeRO-3 its memory; with full
         # replicas there is nothing to free. Two exceptions keep blocks gathered:
         # the last block, since backward starts with it (freeing it would only cost
@@ -183,10 +137,10 @@ class FSDP2DataParallel:
         blocks = list(model.layers.values())
         for i, block in enumerate(blocks):
             reshard = self.dims.zero == 3 and not self.pipelined and i < len(blocks) - 1
-            shard_unit(block, dp_mesh, reshard, self.param_dtype, self.offload)
+            shard_unit(block, dp_mesh, reshard, by_all_reduce, *unit_options)
         # The root's parameters (embedding, head) are needed again right at the start
         # of backward, so they stay gathered after forward.
-        shard_unit(model, dp_mesh, False, self.param_dtype, self.offload)
+        shard_unit(model, dp_mesh, False, by_all_reduce, *unit_options)
         return model
 
     def build_optimizer(self, model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -228,9 +182,7 @@ class FSDP2DataParallel:
     @property
     def compute_device(self) -> torch.device:
         """Where the model computes and collectives run (offloaded shards sit on the host)."""
-        if self.offload != "none":
-            return torch.device(get_accelerator().device_type)
-        return next(self.model.parameters()).device
+        return self.runtime.device
 
     @torch.no_grad()
     def scale_gradients(self, factor: torch.Tensor | float) -> None:

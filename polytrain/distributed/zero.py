@@ -65,7 +65,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from polytrain.backend import get_accelerator
+from polytrain.backend.base import Accelerator
 from polytrain.config import TrainConfig
 from polytrain.distributed.offload import ShardStore, fresh_state, state_names
 from polytrain.distributed.reduce_scatter import start_reduce_scatter
@@ -199,12 +199,12 @@ class ZeroDataParallel:
       the sharded optimizer state, plain local tensors shaped like the masters.
     """
 
-    def __init__(self, mesh: DeviceMesh | None, stage: int, bucket_bytes: int,
+    def __init__(self, acc: Accelerator, mesh: DeviceMesh | None, stage: int, bucket_bytes: int,
                  store: ShardStore | None = None, param_dtype: torch.dtype = torch.float32,
                  pipelined: bool = False, tp: int = 1):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements stages 1 and 2, not {stage}")
-        self.mesh, self.stage, self.bucket_bytes = mesh, stage, bucket_bytes
+        self.acc, self.mesh, self.stage, self.bucket_bytes = acc, mesh, stage, bucket_bytes
         self.param_dtype, self.pipelined = param_dtype, pipelined
         self.tp = tp  # ranks holding a copy of each plain (not tensor-parallel) parameter's rows
         self._hooks: list = []
@@ -212,7 +212,7 @@ class ZeroDataParallel:
         # mesh None: one data-parallel rank, no process group.
         self.group = mesh.get_group() if mesh is not None else None
         self.rank, self.size = (mesh.get_local_rank(), mesh.size()) if mesh is not None else (0, 1)
-        self.by_all_reduce = get_accelerator().reduce_scatter_by_all_reduce  # see reduce_scatter.py
+        self.by_all_reduce = acc.reduce_scatter_by_all_reduce  # see reduce_scatter.py
         self.device = torch.device("cpu")  # of the compute parameters, set by build_optimizer
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -461,7 +461,7 @@ class ZeroDataParallel:
         self._finish_backward()
         if self.store.offloaded:
             # The last gather's asynchronous copies to the device read the host masters this step rewrites.
-            get_accelerator().synchronize()
+            self.acc.synchronize()
         for bucket in self.buckets:
             self._step_bucket(bucket)
         self._grad_factor = None

@@ -44,13 +44,12 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from polytrain.backend import get_accelerator
 from polytrain.config import TrainConfig
 from polytrain.distributed.block_io import BlockIO
 from polytrain.distributed.data_parallel import FSDP2DataParallel
 from polytrain.distributed.materialize import init_parameter, place_buffers
 from polytrain.distributed.offload import fresh_state, state_names
-from polytrain.distributed.topology import ParallelDims
+from polytrain.distributed.runtime import Runtime
 from polytrain.optim.builder import build_optimizer
 from polytrain.optim.clip import squared_norm_share
 
@@ -140,12 +139,11 @@ class NvmeFSDP2DataParallel(FSDP2DataParallel):
     `nvme_dir`: where this rank's directory of files goes (a fresh temp directory under it).
     """
 
-    def __init__(self, dims: ParallelDims, mesh, nvme_dir: str | Path | None, rank: int,
-                 param_dtype: torch.dtype = torch.float32):
-        super().__init__(dims, mesh, param_dtype=param_dtype, offload="cpu")
+    def __init__(self, runtime: Runtime, nvme_dir: str | Path | None, param_dtype: torch.dtype = torch.float32):
+        super().__init__(runtime, param_dtype=param_dtype, offload="nvme")
         if nvme_dir is not None:
             Path(nvme_dir).mkdir(parents=True, exist_ok=True)
-        self.dir = Path(tempfile.mkdtemp(prefix=f"rank{rank}-zero3-", dir=nvme_dir))
+        self.dir = Path(tempfile.mkdtemp(prefix=f"rank{runtime.world.rank}-zero3-", dir=nvme_dir))
         self._remove = weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)
         self.io = BlockIO(self.dir)
         self.units: list[Unit] = []
@@ -250,7 +248,7 @@ class NvmeFSDP2DataParallel(FSDP2DataParallel):
         grads = [fp.sharded_param.grad for fp in unit.fsdp_params]
         if all(g is None for g in grads):
             return
-        get_accelerator().synchronize()  # FSDP2's reduce and its copy to the host are done
+        self.runtime.acc.synchronize()  # FSDP2's reduce and its copy to the host are done
         unit.wait()  # the previous micro-batch's sum is in the file
         totals = []
         for fp, grad in zip(unit.fsdp_params, grads):
