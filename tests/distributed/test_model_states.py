@@ -101,7 +101,7 @@ def test_16bit_states_at_zero_0_to_3_and_offloaded(small_corpus, tmp_path, singl
     # Checkpoints hold the fp32 masters, whatever the compute dtype.
     import torch.distributed.checkpoint as dcp
 
-    from polytrain.train.checkpoint import latest_checkpoint
+    from polytrain.checkpoint import latest_checkpoint
 
     for name in ("zero0", "zero1", "zero3_nvme"):
         meta = dcp.FileSystemReader(str(latest_checkpoint(tmp_path / name))).read_metadata().state_dict_metadata
