@@ -121,7 +121,7 @@ def proc_status_kib(field: str) -> int | None:
 class DeepSpeedJob:
     """One rank of DeepSpeed's engine training the polytrain model with polytrain's batches."""
 
-    def __init__(self, cfg: Config, stage: int, on_optimizer_step=None):
+    def __init__(self, cfg: Config, stage: int, on_optimizer_step=None, zero_options: dict | None = None):
         import deepspeed  # the optional peer: only its own ranks import it
 
         from polytrain.data import GlobalBatchSampler, TokenDataset, prepare_corpus
@@ -150,7 +150,7 @@ class DeepSpeedJob:
             "gradient_clipping": t.grad_clip,
             "fp16": {"enabled": False}, "bf16": {"enabled": t.precision == "bf16"},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket,
-                                  "allgather_bucket_size": bucket},
+                                  "allgather_bucket_size": bucket, **(zero_options or {})},
             "steps_per_print": 10**9, "wall_clock_breakdown": False,
         }
         self.engine, self.optimizer, _, _ = deepspeed.initialize(

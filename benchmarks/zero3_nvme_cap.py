@@ -96,11 +96,45 @@ def _job(rank: int, world_size: int, config: list[str], cap: float | None) -> di
     return result
 
 
-def run(args: argparse.Namespace, name: str, config: list[str], cap: float | None) -> dict:
+def _deepspeed_job(rank: int, world_size: int, config: list[str], cap: float | None, nvme: str) -> dict:
+    """DeepSpeed's ZeRO-3 with parameters and optimizer state offloaded to nvme, on the same model and data."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from vs_deepspeed import DeepSpeedJob
+
+    from polytrain.config import load_config
+
+    if cap is not None:
+        resource.setrlimit(resource.RLIMIT_AS, (int(cap), int(cap)))
+    cfg = load_config(None, config)
+    offload = {"device": "nvme", "nvme_path": nvme}
+    job = DeepSpeedJob(cfg, 3, zero_options={"offload_param": offload, "offload_optimizer": offload})
+    losses, seconds = [], []
+    for _ in range(cfg.run.steps):
+        start = time.perf_counter()
+        losses.append(job.train_step())
+        seconds.append(time.perf_counter() - start)
+    return {"rank": rank, "losses": losses, "seconds": seconds, "vm_peak": _status("VmPeak"),
+            "peak_rss": _status("VmHWM"), "read": 0, "written": 0, "params": 0}
+
+
+def deepspeed_nvme_missing() -> str | None:
+    """Why DeepSpeed's nvme offload cannot run here (None if it can): it needs its async_io op."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+    except ImportError:
+        return "deepspeed is not installed"
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        return "DeepSpeed's async_io op cannot be built (it needs libaio's headers: apt install libaio-dev)"
+    return None
+
+
+def run(args: argparse.Namespace, name: str, config: list[str], cap: float | None, job=_job,
+        *extra) -> dict:
     """One job in fresh ranks: its per-rank figures, or the first error line it failed with."""
     print(f"{name} ...", flush=True)
     try:
-        ranks = run_ranks(args.nproc, _job, config, cap, timeout=7200)
+        ranks = run_ranks(args.nproc, job, config, cap, *extra, timeout=7200)
     except AssertionError as failure:
         text = str(failure)
         lines = [line.strip() for line in text.splitlines() if "Error" in line or "died" in line]
@@ -129,6 +163,12 @@ def main() -> None:
                              overrides(args, f"{work}/c"), cap)
         jobs["capped nvme"] = run(args, f"nvme offload, capped at {cap / GiB:.2f} GiB",
                                   overrides(args, f"{work}/d", *offload), cap)
+        missing = deepspeed_nvme_missing()
+        if missing is None:
+            jobs["DeepSpeed nvme"] = run(args, "DeepSpeed ZeRO-3 nvme offload, no cap", overrides(args, f"{work}/e"),
+                                         None, _deepspeed_job, f"{nvme}/ds")
+            jobs["DeepSpeed capped nvme"] = run(args, f"DeepSpeed ZeRO-3 nvme offload, capped at {cap / GiB:.2f} GiB",
+                                                overrides(args, f"{work}/f"), cap, _deepspeed_job, f"{nvme}/ds")
     psi = jobs["reference"]["ranks"][0]["params"]  # a DTensor's numel is the whole parameter's
     lines = [
         f"Machine: {get_accelerator().describe()} | {args.nproc} gloo ranks | "
@@ -159,6 +199,11 @@ def main() -> None:
     same = not jobs["capped nvme"]["failed"] and \
         jobs["capped nvme"]["ranks"][0]["losses"] == jobs["reference"]["ranks"][0]["losses"]
     lines += ["", f"Capped nvme losses equal the reference's exactly: {same}."]
+    if missing is not None:
+        lines.append(f"DeepSpeed's ZeRO-3 nvme offload was not run: {missing}.")
+    else:
+        lines.append("DeepSpeed builds the model whole on every rank before partitioning it (no zero.Init, so "
+                     "that both start from polytrain's initial weights); its read/written bytes are not counted.")
     table = "\n".join(lines)
     print("\n" + table)
     if args.json:
