@@ -64,7 +64,8 @@ def _generate(argv: list[str]) -> int:
 def _chat(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="polytrain chat",
                                      description="Talk to a decoder, with its chat template when it has one.")
-    parser.add_argument("run_dir", help="a run directory (trained, or made by `polytrain convert`)")
+    parser.add_argument("run_dir", help="a run directory (trained, made by `polytrain convert`, or an RLHF "
+                                        "run: its final actor)")
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=40)
@@ -77,7 +78,12 @@ def _chat(argv: list[str]) -> int:
     from polytrain.inference.chat import Chat, repl
     from polytrain.inference.load import load_run
 
-    chat = Chat(load_run(args.run_dir), Path(args.run_dir), args.max_new_tokens, args.temperature,
+    from polytrain.rlhf.plan import chat_dir
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "config.toml").is_file() and chat_dir(run_dir) is not None:
+        run_dir = chat_dir(run_dir)  # an RLHF run: its final actor
+    chat = Chat(load_run(run_dir), run_dir, args.max_new_tokens, args.temperature,
                 args.top_k, args.top_p, args.seed)
     repl(chat)
     return 0

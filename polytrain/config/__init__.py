@@ -3,7 +3,7 @@
     cfg = load_config("configs/llama_tiny.toml", ["--train.lr", "1e-3"])
     cfg.train.lr, cfg.parallel.zero, cfg.run_dir
 
-Sections: run, model, data, train, parallel, checkpoint; `polytrain train --help` lists every key.
+Sections: run, model, data, train, parallel, checkpoint, rlhf; `polytrain train --help` lists every key.
 """
 
 from polytrain.config.load import (
@@ -21,11 +21,12 @@ from polytrain.config.schema import (
     DataConfig,
     ModelConfig,
     ParallelConfig,
+    RLHFConfig,
     RunConfig,
     TrainConfig,
 )
 
 __all__ = [
-    "SECTIONS", "CheckpointConfig", "Config", "DataConfig", "ModelConfig", "ParallelConfig", "RunConfig",
+    "SECTIONS", "CheckpointConfig", "Config", "DataConfig", "ModelConfig", "ParallelConfig", "RLHFConfig", "RunConfig",
     "TrainConfig", "help_text", "load_config", "parse_overrides", "to_dict", "to_toml", "validate",
 ]

@@ -22,7 +22,7 @@ from typing import Any
 
 import tomllib
 
-from polytrain.config.schema import SECTIONS, Config, TrainConfig, all_keys, field_docs
+from polytrain.config.schema import SECTIONS, Config, DataConfig, RLHFConfig, TrainConfig, all_keys, field_docs
 from polytrain.errors import ConfigError
 
 
@@ -59,6 +59,16 @@ def _coerce(key: str, value: Any, want: type, from_text: bool) -> Any:
     raise ConfigError(f"{key} = {value!r} is not {example}")
 
 
+def _sources_text(key: str, tables: list) -> str:
+    """A TOML list of {path, weight} tables as the "PATH:W,..." text the field holds (written back so)."""
+    parts = []
+    for entry in tables:
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+            raise ConfigError(f"{key}: each entry is a table {{path = \"...\", weight = W}}, not {entry!r}")
+        parts.append(f"{entry['path']}:{entry.get('weight', 1.0)}")
+    return ",".join(parts)
+
+
 def set_value(cfg: Config, key: str, value: Any, from_text: bool) -> None:
     """Set `section.key` on `cfg` from a TOML value or (`from_text`) a command-line string."""
     section, _, name = key.partition(".")
@@ -69,6 +79,8 @@ def set_value(cfg: Config, key: str, value: Any, from_text: bool) -> None:
     if name not in by_name:
         raise _unknown(key)
     f = by_name[name]
+    if f.metadata.get("sources") and isinstance(value, list) and not from_text:
+        value = _sources_text(key, value)
     want = type(f.default) if f.default is not dataclasses.MISSING else str
     value = _coerce(key, value, want, from_text)
     choices = f.metadata.get("choices")
@@ -184,6 +196,29 @@ def validate(cfg: Config) -> None:
     _validate_offload(cfg)
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 0:
         raise ConfigError("checkpoint.every and checkpoint.keep must be >= 0")
+    if cfg.data.sources and cfg.data.source != DataConfig().source:
+        raise ConfigError("data.source and data.sources are both set; data.sources blends several corpora "
+                          "in place of data.source: keep one")
+    _validate_rlhf(cfg.rlhf)
+
+
+def _validate_rlhf(r: RLHFConfig) -> None:
+    """Ranges of the rlhf keys; the step list, sources and split are checked where `polytrain rlhf` reads them."""
+    for key in ("max_prompt_len", "max_new_tokens", "task_pairs", "task_demos"):
+        if getattr(r, key) <= 0:
+            raise ConfigError(f"rlhf.{key} = {getattr(r, key)} must be positive")
+    for key in ("kl_coef", "reward_clip", "policy_clip", "value_clip", "grpo_kl_coef", "ptx_coef", "temperature"):
+        if getattr(r, key) < 0:
+            raise ConfigError(f"rlhf.{key} = {getattr(r, key)} must be >= 0")
+    for key in ("gamma", "lam", "top_p", "ema_beta"):
+        if not 0 <= getattr(r, key) <= 1:
+            raise ConfigError(f"rlhf.{key} = {getattr(r, key)} must be in [0, 1]")
+    if r.top_k < 0:
+        raise ConfigError(f"rlhf.top_k = {r.top_k} must be >= 0 (0 = all tokens)")
+    if r.group_size < 2:
+        raise ConfigError(f"rlhf.group_size = {r.group_size} must be at least 2 (GRPO compares samples of a prompt)")
+    if not 0 <= r.task_noise < 1:
+        raise ConfigError(f"rlhf.task_noise = {r.task_noise} must be in [0, 1)")
 
 
 def _validate_offload(cfg: Config) -> None:

@@ -101,6 +101,8 @@ class ModelConfig:
 class DataConfig:
     source: str = "stdlib"
     """'stdlib' (the .py sources of the running Python) or a path: .txt, .jsonl (field text), prepared .bin."""
+    sources: str = field(default="", metadata={"sources": True})
+    """Several corpora blended by weight in place of source (left at stdlib): TOML [{path = "...", weight = W}, ...] or "PATH:W,..."."""
     tokenizer: str = "bpe"
     """'bpe' (byte-level BPE trained on the corpus and cached) or a path to a tokenizer.json."""
     seq_len: int = 256
@@ -211,6 +213,64 @@ class ParallelConfig:
 
 
 @dataclass
+class RLHFConfig:
+    steps: str = "1,2,3"
+    """`polytrain rlhf`: steps to run, by number or name (sft, reward, ppo); finished ones are skipped."""
+    algorithm: str = _choices("ppo", "grpo")
+    """Step 3's algorithm: ppo (actor, critic, KL-penalised reward, GAE) or grpo (group-normalised, no critic)."""
+    data: str = ""
+    """Files or directories of preference/demonstration rows, comma-separated; empty = the built-in sorting task."""
+    data_weights: str = ""
+    """One blending weight per rlhf.data source, comma-separated (empty = 1 each)."""
+    data_split: str = "2,4,4"
+    """Shares of each preference source for steps 1, 2, 3 (DeepSpeed-Chat's data_split), disjoint parts."""
+    prompt_template: str = "{prompt}"
+    """A row's prompt as the model reads it: a template with {prompt}, or 'chat' (the tokenizer's chat template)."""
+    max_prompt_len: int = 256
+    """Longest prompt in tokens; a longer one is an error naming its row."""
+    max_new_tokens: int = 256
+    """Step 3: longest sampled response in tokens."""
+    sft_mask_prompt: bool = False
+    """Step 1: score only the response tokens (DeepSpeed-Chat scores the prompt too)."""
+    reward_loss: str = _choices("end", "span")
+    """Step 2: end = -log sigmoid(r_chosen - r_rejected) at the last tokens; span = DeepSpeed-Chat's divergent span."""
+    kl_coef: float = 0.1
+    """PPO: per-token reward -kl_coef (log pi - log pi_ref)."""
+    reward_clip: float = 5.0
+    """Step 3: the reward model's score is clipped to +-reward_clip."""
+    gamma: float = 1.0
+    """PPO: GAE discount."""
+    lam: float = 0.95
+    """PPO: GAE lambda."""
+    policy_clip: float = 0.2
+    """Step 3: PPO's ratio clip 1 +- policy_clip."""
+    value_clip: float = 0.2
+    """PPO: the critic's values move at most value_clip from the rollout's in the clipped loss."""
+    temperature: float = 1.0
+    """Step 3: sampling temperature of the rollout."""
+    top_k: int = 0
+    """Step 3: sample among the top_k tokens (0 = all)."""
+    top_p: float = 1.0
+    """Step 3: nucleus sampling mass (1 = all)."""
+    group_size: int = 4
+    """GRPO: samples per prompt, normalised within their group."""
+    grpo_kl_coef: float = 0.04
+    """GRPO: weight of the k3 KL penalty to the reference in the loss."""
+    ema: bool = False
+    """Step 3: also keep an exponential moving average of the actor (DeepSpeed-Chat's actor_ema)."""
+    ema_beta: float = 0.992
+    """Step 3: EMA decay per step."""
+    ptx_coef: float = 0.0
+    """Step 3: weight of a language-model loss on step 1's data after each actor step (0 = off; DS-Chat 27.8)."""
+    task_pairs: int = 4000
+    """Built-in task: preference rows generated (split by data_split)."""
+    task_demos: int = 4000
+    """Built-in task: demonstration rows for step 1."""
+    task_noise: float = 0.3
+    """Built-in task: share of demonstrations with a mistake (room for steps 2-3 to improve on)."""
+
+
+@dataclass
 class CheckpointConfig:
     every: int = 0
     """Steps between checkpoints (0 = only at the end of training)."""
@@ -228,6 +288,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    rlhf: RLHFConfig = field(default_factory=RLHFConfig)
     set_keys: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
     """`section.key` names the TOML file or the overrides gave (the loader records them)."""
 

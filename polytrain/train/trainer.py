@@ -27,7 +27,8 @@ from polytrain.checkpoint import (
     latest_checkpoint,
 )
 from polytrain.config import Config, to_toml
-from polytrain.data import GlobalBatchSampler, TokenDataset, prepare_corpus, val_batches
+from polytrain.data import GlobalBatchSampler, TokenDataset, val_batches
+from polytrain.data.blended import training_windows
 from polytrain.data.objectives import build_objective, reserved_ids
 from polytrain.distributed.world import barrier, max_over_world, mean_over_world
 from polytrain.errors import TrainingDiverged
@@ -69,8 +70,7 @@ class Trainer:
         # The optimizer whose param_groups carry the learning rate (ZeRO: the one over master shards).
         self.optimizer = self.dp.build_optimizer(self.model, cfg.train)
         seq_len = cfg.data.seq_len
-        self.train_data = TokenDataset(self.corpus.train_path, self.corpus.dtype, seq_len)
-        self.val_data = TokenDataset(self.corpus.val_path, self.corpus.dtype, seq_len)
+        self.train_data, self.val_data = self.corpus.train, self.corpus.val  # one corpus, or a blend
         rt = self.runtime
         self.sampler = GlobalBatchSampler(len(self.train_data), self.batch.global_batch_size, cfg.run.seed,
                                           rt.dp_rank, rt.dp_size)
@@ -102,13 +102,13 @@ class Trainer:
         # Rank 0 trains the tokenizer and tokenizes once; the others then hit the cache.
         run = RunDir(self.run_dir)
         if self.world.is_main:
-            corpus = prepare_corpus(self.cfg.data, self._tokenizer_vocab())
+            corpus = training_windows(self.cfg.data, self._tokenizer_vocab(), self.cfg.run.seed)
             run.path.mkdir(parents=True, exist_ok=True)
             run.config.write_text(to_toml(self.cfg))
             corpus.tokenizer.save(run.tokenizer)
         barrier()
         if not self.world.is_main:
-            corpus = prepare_corpus(self.cfg.data, self._tokenizer_vocab())
+            corpus = training_windows(self.cfg.data, self._tokenizer_vocab(), self.cfg.run.seed)
         return corpus
 
     def _tokenizer_vocab(self) -> int:

@@ -15,11 +15,12 @@ from polytrain.distributed.tensor_parallel.context import TPContext
 from polytrain.distributed.tensor_parallel.cross_entropy import (
     vocab_parallel_cross_entropy,
     vocab_parallel_loss,
+    vocab_parallel_token_logprobs,
 )
 from polytrain.distributed.tensor_parallel.plan import Context, parallelize_tp
 from polytrain.distributed.tensor_parallel.shards import shard_range, shard_sizes
 
 __all__ = [
     "Context", "TPContext", "parallelize_model", "parallelize_tp", "shard_range", "shard_sizes",
-    "vocab_parallel_cross_entropy", "vocab_parallel_loss",
+    "vocab_parallel_cross_entropy", "vocab_parallel_loss", "vocab_parallel_token_logprobs",
 ]

@@ -24,7 +24,7 @@ from polytrain.distributed.collectives import (
     reduce_scatter_to_sp,
 )
 from polytrain.distributed.rng import DropoutRNG
-from polytrain.distributed.tensor_parallel.cross_entropy import vocab_parallel_loss
+from polytrain.distributed.tensor_parallel.cross_entropy import vocab_parallel_logprobs, vocab_parallel_loss
 
 SEQ_DIM = 1
 
@@ -79,6 +79,10 @@ class TPContext:
     def loss_fn(self, vocab_size: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """The trainer's loss on the head's vocabulary-split logits (B, T, V/tp); equal on every rank."""
         return vocab_parallel_loss(self.mesh, vocab_size)
+
+    def logprob_fn(self, vocab_size: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """(logits (B, T, V/tp), targets (B, T)) -> log p(targets) (B, T), equal on every rank."""
+        return vocab_parallel_logprobs(self.mesh, vocab_size)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """Into a tensor-parallel region: (B, T/tp, D) all-gathered under SP, else (B, T, D) as is.
