@@ -5,38 +5,44 @@ DeepSpeed is an optional peer, not a dependency of polytrain. Install it next to
 
     pip install torch==2.13.0 && pip install -e .          # as in the README
     DS_BUILD_OPS=0 pip install deepspeed
-    DS_ACCELERATOR=cpu python benchmarks/vs_deepspeed.py    # 45 torchrun jobs, ~30-40 min on 2 cores
+    DS_ACCELERATOR=cpu python benchmarks/vs_deepspeed.py    # 30 torchrun jobs, ~25-35 min on 2 cores
+    DS_ACCELERATOR=cpu python benchmarks/vs_deepspeed.py --loss plain   # both sides without the chunked loss
     DS_ACCELERATOR=cpu python benchmarks/vs_deepspeed.py --rounds 1 --steps 2 --warmup 1 \\
         --stages 1                                          # a quick check that it runs
 
 DS_ACCELERATOR=cpu makes DeepSpeed use its CPU accelerator, whose collective backend is
 gloo when Intel's oneCCL bindings are not installed (the script passes gloo explicitly).
 
-For each ZeRO stage in --stages, --rounds rounds each launch data-parallel jobs of --nproc
-ranks with torchrun: one on DeepSpeed's engine and one or two on polytrain's Trainer, with
-its chunked loss on and off (--chunked-loss; the order reverses each round). Both jobs train the same Llama model
+For each ZeRO stage in --stages, --rounds rounds each launch two data-parallel jobs of
+--nproc ranks with torchrun, one on DeepSpeed's engine and one on polytrain's Trainer
+(who goes first swaps each round). Both jobs train the same Llama model
 (`ARCHITECTURES["llama"]` at --size, initialised to the same weights), on the same
 samples (polytrain's GlobalBatchSampler over the same packed token file, seeded alike),
-with the same micro-batch, gradient accumulation, global batch, precision (--precision
-bf16, the default: 16-bit weights and gradients with fp32 masters in both), torch's AdamW with
+with the same micro-batch, gradient accumulation, global batch, precision (--precision bf16,
+the default: 16-bit weights and gradients over fp32 masters, DeepSpeed's `bf16` block and
+polytrain's train.precision; or fp32), torch's AdamW with
 the same hyperparameters and weight-decay groups, the same learning-rate schedule,
 clipping by global norm, and the same reduce/all-gather bucket size (25 MiB, polytrain's
 default). Each rank trains --warmup untimed steps, then --steps timed ones between two
 barriers; it reports its peak resident memory (VmHWM of /proc/self/status) at the end.
 
+The loss algorithm is the same on both sides: by default (`--loss chunked`) both compute the
+output projection and cross-entropy a chunk of tokens at a time (polytrain's
+train.chunked_loss; the DeepSpeed model's output Linear is swapped for polytrain's LossHead,
+a module DeepSpeed's ZeRO-3 gathers like any other); `--loss plain` gives both the model's
+logits into F.cross_entropy, as DeepSpeed's examples do.
+
 What is not made equal: each framework keeps its own defaults for what has no counterpart
 in the other (DeepSpeed's overlap_comm, contiguous_gradients, stage-3 prefetch and
-persistence thresholds; polytrain's train.chunked_loss, which computes the output
-projection and cross-entropy a chunk of tokens at a time where the DeepSpeed script, as
-DeepSpeed's examples do, takes the model's logits into F.cross_entropy).
-The polytrain-plain job measures polytrain without it. DeepSpeed's ZeRO-3 partitions the model inside
+persistence thresholds; polytrain's fused AdamW kernel, where DeepSpeed's `torch_adam`
+takes torch's default, the per-tensor loop on a CPU, since its own fused Adam is a CUDA
+op). `--polytrain-args` passes extra overrides to polytrain only. DeepSpeed's ZeRO-3 partitions the model inside
 `deepspeed.initialize`, after it was built whole on each rank (no zero.Init), while
 polytrain builds on the meta device; peak RSS counts that. The DeepSpeed ranks also
 import deepspeed (tens of MiB): `rss at start` shows each job's memory before the model.
 
-Ends with a markdown table for benchmarks/RESULTS.md: tokens/s (median and range over the
-rounds) and peak RSS of each job kind, and polytrain / DeepSpeed ratios (>1 on tokens/s is
-faster, <1 on RSS is leaner).
+Ends with a markdown table for benchmarks/RESULTS.md: tokens/s and peak RSS of each, and
+polytrain / DeepSpeed ratios (>1 on tokens/s is faster, <1 on RSS is leaner).
 """
 
 from __future__ import annotations
@@ -59,8 +65,7 @@ import torch.nn.functional as F
 
 from polytrain.config import Config, load_config
 
-# Jobs per stage and round: DeepSpeed, and polytrain with its chunked loss on and off.
-JOBS = {"deepspeed": [], "polytrain": [], "polytrain-plain": ["--train.chunked_loss", "false"]}
+FRAMEWORKS = ("deepspeed", "polytrain")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -73,11 +78,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--source", default="stdlib",
                    help="data.source (the first stdlib call tokenizes, ~30 s, then it is cached)")
+    p.add_argument("--rounds", type=int, default=5, help="alternating jobs per framework and stage")
+    p.add_argument("--loss", default="chunked", choices=("chunked", "plain"),
+                   help="the loss algorithm of both sides (see the docstring)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="bf16",
                    help="bf16: 16-bit weights and gradients, fp32 masters (both frameworks)")
-    p.add_argument("--chunked-loss", choices=("on", "off", "both"), default="both",
-                   help="polytrain jobs with train.chunked_loss on, off, or one of each per round")
-    p.add_argument("--rounds", type=int, default=5, help="alternating jobs per framework and stage")
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per job")
     p.add_argument("--warmup", type=int, default=3, help="untimed optimizer steps per job first")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(),
@@ -86,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--polytrain-args", default="",
                    help='extra config overrides for the polytrain jobs only, e.g. "--train.chunked_loss false"')
     # Internal: what torchrun starts on each rank.
-    p.add_argument("--worker", choices=tuple(JOBS), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     p.add_argument("--zero", type=int, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--out-dir", type=Path, help=argparse.SUPPRESS)
@@ -101,7 +106,8 @@ def config_overrides(args: argparse.Namespace) -> list[str]:
             "--train.global_batch_size", str(args.global_batch),
             "--train.precision", args.precision, "--train.optimizer", "adamw",
             "--run.steps", str(args.warmup + args.steps),
-            "--checkpoint.resume", "none", "--checkpoint.every", "0"]
+            "--checkpoint.resume", "none", "--checkpoint.every", "0",
+            "--train.chunked_loss", str(args.loss == "chunked").lower()]
 
 
 def proc_status_kib(field: str) -> int | None:
@@ -122,6 +128,8 @@ class DeepSpeedJob:
     """One rank of DeepSpeed's engine training the polytrain model with polytrain's batches."""
 
     def __init__(self, cfg: Config, stage: int, on_optimizer_step=None, zero_options: dict | None = None):
+        """`on_optimizer_step()` runs right before each optimizer step (a probe: zero_memory_comm.py);
+        `zero_options` are added to the zero_optimization block (offload: zero3_nvme_cap.py)."""
         import deepspeed  # the optional peer: only its own ranks import it
 
         from polytrain.data import GlobalBatchSampler, TokenDataset, prepare_corpus
@@ -137,6 +145,11 @@ class DeepSpeedJob:
         torch.manual_seed(cfg.run.seed)
         model = ARCHITECTURES["llama"].build(cfg.model)
         init_plain(model, cfg.run.seed)
+        self.head = None
+        if cfg.train.chunked_loss:  # the same loss algorithm as polytrain's: the head returns the loss
+            from polytrain.train.chunked_loss import LossHead
+
+            self.head = model.output = LossHead.replacing(model.output)
         # DeepSpeed counts bucket elements of the gradient dtype; keep polytrain's bytes.
         bucket = int(cfg.parallel.reduce_bucket_mb * 2**20) // (2 if t.precision == "bf16" else 4)
         config = {
@@ -155,7 +168,7 @@ class DeepSpeedJob:
         }
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, t.weight_decay), config=config)
-        if on_optimizer_step is not None:  # a probe (zero_memory_comm.py) runs just before each step
+        if on_optimizer_step is not None:
             inner = self.optimizer.step
             self.optimizer.step = lambda *a, **k: (on_optimizer_step(), inner(*a, **k))[1]
         corpus = prepare_corpus(cfg.data, cfg.model.vocab_size)
@@ -173,8 +186,12 @@ class DeepSpeedJob:
         set_lr(self.optimizer, self.step, self.cfg)  # polytrain's schedule, for equal losses
         for i in range(0, len(local), mbs):
             inputs, targets = self.data.get_batch(local[i:i + mbs])
-            logits = self.engine(inputs)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            if self.head is not None:
+                with self.head.scoring(targets):
+                    loss = self.engine(inputs)
+            else:
+                logits = self.engine(inputs)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
             self.engine.backward(loss)  # DeepSpeed divides by the accumulation steps itself
             if after_backward is not None:
                 after_backward()
@@ -202,7 +219,7 @@ class PolytrainJob:
 
 
 def worker(args: argparse.Namespace) -> None:
-    polytrain_only = JOBS[args.worker] + shlex.split(args.polytrain_args) if args.worker != "deepspeed" else []
+    polytrain_only = shlex.split(args.polytrain_args) if args.worker == "polytrain" else []
     cfg = load_config(None, config_overrides(args) + [
         "--parallel.zero", str(args.zero), "--run.out_dir", str(args.out_dir),
         "--run.eval_every", "0", "--run.sample_tokens", "0"] + polytrain_only)
@@ -234,7 +251,7 @@ def launch(args: argparse.Namespace, framework: str, stage: int, work: Path, tag
            "--out-dir", str(out), "--size", args.size, "--seq-len", str(args.seq_len),
            "--micro-batch", str(args.micro_batch), "--global-batch", str(args.global_batch),
            "--source", args.source, "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--precision", args.precision, "--polytrain-args", args.polytrain_args]
+           "--loss", args.loss, "--precision", args.precision, "--polytrain-args", args.polytrain_args]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, args.threads // args.nproc)),
            "DS_ACCELERATOR": "cpu" if torch.cuda.device_count() == 0 else
            os.environ.get("DS_ACCELERATOR", "cuda")}
@@ -256,43 +273,32 @@ def launch(args: argparse.Namespace, framework: str, stage: int, work: Path, tag
             "losses": ranks[0]["losses"]}
 
 
-def job_kinds(args: argparse.Namespace) -> list[str]:
-    """DeepSpeed and the polytrain variants --chunked-loss asks for."""
-    pick = {"on": ["polytrain"], "off": ["polytrain-plain"], "both": ["polytrain", "polytrain-plain"]}
-    return ["deepspeed", *pick[args.chunked_loss]]
-
-
 def measure(args: argparse.Namespace, stages: list[int], work: Path) -> dict:
-    kinds = job_kinds(args)
-    runs: dict[int, dict[str, list[dict]]] = {s: {k: [] for k in kinds} for s in stages}
+    runs: dict[int, dict[str, list[dict]]] = {s: {f: [] for f in FRAMEWORKS} for s in stages}
     for r in range(args.rounds):
         for stage in stages:
-            order = kinds if r % 2 == 0 else kinds[::-1]
-            for kind in order:
-                run = launch(args, kind, stage, work, f"{kind}-z{stage}-r{r}")
-                runs[stage][kind].append(run)
-                print(f"round {r + 1}/{args.rounds} ZeRO-{stage} {kind}: "
+            order = FRAMEWORKS if r % 2 == 0 else FRAMEWORKS[::-1]
+            for framework in order:
+                run = launch(args, framework, stage, work, f"{framework}-z{stage}-r{r}")
+                runs[stage][framework].append(run)
+                print(f"round {r + 1}/{args.rounds} ZeRO-{stage} {framework}: "
                       f"{run['tokens_per_s']:,.0f} tok/s, peak RSS {run['peak_rss_mib']:,.0f} MiB "
                       f"(at start {run['rss_start_mib']:,.0f}), loss {run['losses'][0]:.4f} -> "
                       f"{run['losses'][-1]:.4f}", flush=True)
     summary = {}
     for stage, per in runs.items():
-        stats = {k: {key: statistics.median(run[key] for run in per[k])
-                     for key in ("tokens_per_s", "peak_rss_mib", "rss_start_mib")} for k in kinds}
-        for k in kinds:
-            speeds = [run["tokens_per_s"] for run in per[k]]
-            stats[k]["tokens_per_s_range"] = (min(speeds), max(speeds))
-        ds = per["deepspeed"]
-        versus = {}
-        for k in kinds[1:]:
-            # Each round's jobs ran back to back, so their ratio cancels slow drifts of the machine.
-            paired = sorted(p["tokens_per_s"] / d["tokens_per_s"] for p, d in zip(per[k], ds))
-            versus[k] = {"round_speed_ratios": paired,
-                         "speed_ratio": stats[k]["tokens_per_s"] / stats["deepspeed"]["tokens_per_s"],
-                         "rss_ratio": stats[k]["peak_rss_mib"] / stats["deepspeed"]["peak_rss_mib"]}
-        summary[stage] = {"median": stats, "runs": per, "versus": versus,
-                          "loss_step1": {k: per[k][0]["losses"][0] for k in kinds},
-                          "loss_last": {k: per[k][0]["losses"][-1] for k in kinds}}
+        med = {f: {k: statistics.median(run[k] for run in per[f])
+                   for k in ("tokens_per_s", "peak_rss_mib", "rss_start_mib")} for f in FRAMEWORKS}
+        first = {f: per[f][0]["losses"] for f in FRAMEWORKS}
+        # Each round's two jobs ran back to back, so their ratio cancels slow drifts of the machine.
+        paired = sorted(p["tokens_per_s"] / d["tokens_per_s"] for p, d in zip(per["polytrain"], per["deepspeed"]))
+        summary[stage] = {
+            "median": med, "runs": per, "round_speed_ratios": paired,
+            "speed_ratio": med["polytrain"]["tokens_per_s"] / med["deepspeed"]["tokens_per_s"],
+            "rss_ratio": med["polytrain"]["peak_rss_mib"] / med["deepspeed"]["peak_rss_mib"],
+            "loss_step1": {f: first[f][0] for f in FRAMEWORKS},
+            "loss_last": {f: first[f][-1] for f in FRAMEWORKS},
+        }
     return summary
 
 
@@ -310,30 +316,31 @@ def report(args: argparse.Namespace, summary: dict, params: float, ds_version: s
         f"Machine: {machine()}, deepspeed {ds_version} | {datetime.date.today().isoformat()}{load_text}",
         (f"Model: llama {args.size} ({params / 1e6:.1f}M parameters), seq {args.seq_len}, "
          f"micro-batch {args.micro_batch}, global batch {args.global_batch}, {args.precision} AdamW"
-         f"{' (16-bit weights and gradients, fp32 masters)' if args.precision == 'bf16' else ''}, "
+         f"{' (16-bit weights and gradients, fp32 masters, both)' if args.precision == 'bf16' else ''}, "
+         f"{args.loss} loss, "
          f"{args.nproc} ranks x {max(1, args.threads // args.nproc)} thread(s), gloo; "
-         f"median (and range) of {args.rounds} job(s) each, {args.steps} timed steps after {args.warmup}"),
+         f"median of {args.rounds} job(s) each, {args.steps} timed steps after {args.warmup}"),
         f"Command: `{command}`",
         "",
-        ("| ZeRO | job | tok/s median (range) | speed / DS | per-round speed ratios | peak RSS "
-         "| RSS / DS | loss step 1 | loss last |"),
-        "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
+        ("| ZeRO | DeepSpeed tok/s | polytrain tok/s | speed polytrain/DS | per-round speed ratios (sorted) "
+         "| DeepSpeed peak RSS | polytrain peak RSS | RSS polytrain/DS | loss step 1 DS / polytrain "
+         "| loss last DS / polytrain |"),
+        "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- | --- |",
     ]
     for stage, s in summary.items():
-        for kind, m in s["median"].items():
-            low, high = m["tokens_per_s_range"]
-            vs = s["versus"].get(kind)
-            ratio = f"{vs['speed_ratio']:.2f}" if vs else ""
-            rounds = " ".join(f"{r:.2f}" for r in vs["round_speed_ratios"]) if vs else ""
-            rss = f"{vs['rss_ratio']:.2f}" if vs else ""
-            lines.append(
-                f"| {stage} | {kind} | {m['tokens_per_s']:,.0f} ({low:,.0f}-{high:,.0f}) | {ratio} | {rounds} "
-                f"| {m['peak_rss_mib']:,.0f} MiB | {rss} | {s['loss_step1'][kind]:.4f} | {s['loss_last'][kind]:.4f} |")
-    starts = ", ".join(f"ZeRO-{stage} " + " / ".join(f"{k} {m['rss_start_mib']:,.0f}" for k, m in s["median"].items())
+        ds, pt = s["median"]["deepspeed"], s["median"]["polytrain"]
+        rounds = " ".join(f"{r:.2f}" for r in s["round_speed_ratios"])
+        lines.append(
+            f"| {stage} | {ds['tokens_per_s']:,.0f} | {pt['tokens_per_s']:,.0f} | {s['speed_ratio']:.2f} "
+            f"| {rounds} "
+            f"| {ds['peak_rss_mib']:,.0f} MiB | {pt['peak_rss_mib']:,.0f} MiB | {s['rss_ratio']:.2f} "
+            f"| {s['loss_step1']['deepspeed']:.4f} / {s['loss_step1']['polytrain']:.4f} "
+            f"| {s['loss_last']['deepspeed']:.4f} / {s['loss_last']['polytrain']:.4f} |")
+    starts = ", ".join(f"ZeRO-{stage} DS {s['median']['deepspeed']['rss_start_mib']:,.0f} / "
+                       f"polytrain {s['median']['polytrain']['rss_start_mib']:,.0f}"
                        for stage, s in summary.items())
-    lines += ["", (f"polytrain-plain: train.chunked_loss false (the logits taken whole, as the DeepSpeed "
-                   f"script does). Peak RSS is the largest VmHWM over the ranks; RSS per rank before the "
-                   f"model (MiB): {starts}.")]
+    lines += ["", (f"Peak RSS is the largest VmHWM over the ranks; RSS per rank before the model "
+                   f"(MiB): {starts}.")]
     return "\n".join(lines)
 
 

@@ -32,6 +32,7 @@ their `unshard` and `post_backward` are wrapped per instance.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import shutil
 import tempfile
@@ -54,6 +55,21 @@ from polytrain.optim.builder import build_optimizer
 from polytrain.optim.clip import squared_norm_share
 
 F32 = 4  # bytes per element of every file
+
+
+def _map_large_allocations() -> None:
+    """Have glibc map each allocation of 1 MiB or more on its own, so a dropped shard's memory returns to the OS.
+
+    By default glibc raises that threshold each time it frees a large mapped block, up to
+    32 MiB; shards below it then come from the heap, where freed memory stays resident
+    and a rank would keep every unit it ever loaded. Setting it fixes it (process-wide).
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: its allocator decides
+        return
+    m_mmap_threshold = -3  # <malloc.h>
+    libc.mallopt(m_mmap_threshold, 1 << 20)
 
 
 def _drop(tensor: torch.Tensor) -> None:
@@ -94,8 +110,16 @@ class Unit:
         """The padded flat fp32 parameter shards (P,), FSDP2's storage."""
         return [fp._sharded_param_data for fp in self.fsdp_params]
 
-    def regions(self, tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
-        return list(zip(tensors, self.offsets))
+    @property
+    def trainable(self) -> list[int]:
+        """Positions of the parameters that train (a LoRA base is frozen: no gradient, no state)."""
+        return [i for i, fp in enumerate(self.fsdp_params) if fp.sharded_param.requires_grad]
+
+    def regions(self, tensors: list[torch.Tensor],
+                positions: list[int] | None = None) -> list[tuple[torch.Tensor, int]]:
+        """(tensor, byte offset in the unit's files) for the parameters at `positions` (default: all)."""
+        offsets = self.offsets if positions is None else [self.offsets[i] for i in positions]
+        return list(zip(tensors, offsets, strict=True))
 
     def wait(self) -> None:
         """Until this unit's reads and writes are done."""
@@ -103,11 +127,11 @@ class Unit:
             future.result()
         self.jobs.clear()
 
-    def read(self, kind: str, tensors: list[torch.Tensor]) -> None:
-        self.jobs.append((self.io.read(self.files[kind], self.regions(tensors)), tensors))
+    def read(self, kind: str, tensors: list[torch.Tensor], positions: list[int] | None = None) -> None:
+        self.jobs.append((self.io.read(self.files[kind], self.regions(tensors, positions)), tensors))
 
-    def write(self, kind: str, tensors: list[torch.Tensor]) -> None:
-        self.jobs.append((self.io.write(self.files[kind], self.regions(tensors)), tensors))
+    def write(self, kind: str, tensors: list[torch.Tensor], positions: list[int] | None = None) -> None:
+        self.jobs.append((self.io.write(self.files[kind], self.regions(tensors, positions)), tensors))
 
     # ----- parameters -----
 
@@ -141,6 +165,7 @@ class NvmeFSDP2DataParallel(FSDP2DataParallel):
 
     def __init__(self, runtime: Runtime, nvme_dir: str | Path | None, param_dtype: torch.dtype = torch.float32):
         super().__init__(runtime, param_dtype=param_dtype, offload="nvme")
+        _map_large_allocations()
         if nvme_dir is not None:
             Path(nvme_dir).mkdir(parents=True, exist_ok=True)
         self.dir = Path(tempfile.mkdtemp(prefix=f"rank{runtime.world.rank}-zero3-", dir=nvme_dir))
@@ -201,8 +226,8 @@ class NvmeFSDP2DataParallel(FSDP2DataParallel):
         for unit in self.units:
             for kind in self.kinds:
                 unit.files[kind] = self.io.file(f"unit{unit.index}_{kind}.f32", unit.nbytes)
-            for fp in unit.fsdp_params:
-                p = fp.sharded_param
+            for i in unit.trainable:
+                p = unit.fsdp_params[i].sharded_param
                 # Zero state from the start, dropped at once: the files are zeros already.
                 tensors = {name: torch.zeros_like(p) for name in self.kinds}
                 self.optimizer.state[p] = fresh_state(self.optimizer, tensors)
@@ -245,24 +270,26 @@ class NvmeFSDP2DataParallel(FSDP2DataParallel):
     @torch.no_grad()
     def _store_gradients(self, unit: Unit) -> None:
         """Add this micro-batch's reduced gradient shards to the unit's summed ones in its file."""
-        grads = [fp.sharded_param.grad for fp in unit.fsdp_params]
+        positions = unit.trainable
+        fps = [unit.fsdp_params[i] for i in positions]
+        grads = [fp.sharded_param.grad for fp in fps]
         if all(g is None for g in grads):
             return
         self.runtime.acc.synchronize()  # FSDP2's reduce and its copy to the host are done
         unit.wait()  # the previous micro-batch's sum is in the file
         totals = []
-        for fp, grad in zip(unit.fsdp_params, grads):
+        for fp, grad in zip(fps, grads):
             local = torch.zeros(fp.sharded_size) if grad is None else _local(grad).clone()
             totals.append(local)
         if unit.has_grads:
             earlier = [torch.empty_like(t) for t in totals]
-            unit.read("grad", earlier)
+            unit.read("grad", earlier, positions)
             unit.wait()
             for t, e in zip(totals, earlier):
                 t.add_(e)
-        unit.write("grad", totals)
+        unit.write("grad", totals, positions)
         stage_ranks = self.dims.world_size // self.dims.pp
-        for fp, total in zip(unit.fsdp_params, totals):
+        for fp, total in zip(fps, totals):
             as_dtensor = DTensor(total, fp.sharded_param._spec, requires_grad=False)
             unit.squares[fp._param_fqn] = squared_norm_share([as_dtensor], stage_ranks, self.compute_device)
             fp.sharded_param.grad = None
@@ -311,31 +338,34 @@ class NvmeFSDP2DataParallel(FSDP2DataParallel):
     def _start_step_read(self, unit: Unit) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]]]:
         """Start reading a unit's parameters, summed gradients and state; (gradients, state tensors)."""
         unit.start_param_read()
-        grads = [torch.zeros(fp.sharded_size) for fp in unit.fsdp_params]
+        positions = unit.trainable
+        fps = [unit.fsdp_params[i] for i in positions]
+        grads = [torch.zeros(fp.sharded_size) for fp in fps]
         if unit.has_grads:
-            unit.read("grad", grads)
-        state = {kind: [_local(self.optimizer.state[fp.sharded_param][kind]) for fp in unit.fsdp_params]
-                 for kind in self.kinds}
+            unit.read("grad", grads, positions)
+        state = {kind: [_local(self.optimizer.state[fp.sharded_param][kind]) for fp in fps] for kind in self.kinds}
         for kind, tensors in state.items():
             for t in tensors:
                 _regrow(t, t.numel() * F32)
-            unit.read(kind, tensors)
+            unit.read(kind, tensors, positions)
         return grads, state
 
     def _step_unit(self, unit: Unit, grads: list[torch.Tensor], state: dict[str, list[torch.Tensor]]) -> None:
         """Step one unit's (read) shards, then start writing them back."""
         unit.load_params()
         unit.wait()  # the gradient and state reads
-        for fp, grad in zip(unit.fsdp_params, grads):
+        positions = unit.trainable
+        fps = [unit.fsdp_params[i] for i in positions]
+        for fp, grad in zip(fps, grads):
             if self._factor is not None:
                 grad.mul_(self._factor)
             fp.sharded_param.grad = DTensor(grad, fp.sharded_param._spec, requires_grad=False)
         self.optimizer.step()  # the other units' parameters have no gradient: skipped
-        for fp in unit.fsdp_params:
+        for fp in fps:
             fp.sharded_param.grad = None
         unit.write("param", unit.data)
         for kind, tensors in state.items():
-            unit.write(kind, tensors)
+            unit.write(kind, tensors, positions)
         unit.has_grads = False
         unit.squares.clear()
 
@@ -372,8 +402,9 @@ class NvmeFSDP2DataParallel(FSDP2DataParallel):
                     return DTensor(local, p._spec, requires_grad=False)
 
                 sharded[id(p)] = view("param")
-                step_state = self.optimizer.state[p]
-                state[fp._param_fqn] = {k: view(k) if k in self.kinds else v for k, v in step_state.items()}
+                if p.requires_grad:  # a frozen (LoRA base) parameter has no optimizer state
+                    step_state = self.optimizer.state[p]
+                    state[fp._param_fqn] = {k: view(k) if k in self.kinds else v for k, v in step_state.items()}
         fqn_of = {id(fp.sharded_param): fp._param_fqn for u in self.units for fp in u.fsdp_params}
         model_sd = {name: sharded.get(id(t), t) for name, t in self.model.state_dict(keep_vars=True).items()}
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [fqn_of[id(p)] for p in g["params"]]}
