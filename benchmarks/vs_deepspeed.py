@@ -5,7 +5,8 @@ DeepSpeed is an optional peer, not a dependency of polytrain. Install it next to
 
     pip install torch==2.13.0 && pip install -e .          # as in the README
     DS_BUILD_OPS=0 pip install deepspeed
-    DS_ACCELERATOR=cpu python benchmarks/vs_deepspeed.py    # 12 torchrun jobs, ~10-15 min on 2 cores
+    DS_ACCELERATOR=cpu python benchmarks/vs_deepspeed.py    # 30 torchrun jobs, ~25-35 min on 2 cores
+    DS_ACCELERATOR=cpu python benchmarks/vs_deepspeed.py --loss plain   # both sides without the chunked loss
     DS_ACCELERATOR=cpu python benchmarks/vs_deepspeed.py --rounds 1 --steps 2 --warmup 1 \\
         --stages 1                                          # a quick check that it runs
 
@@ -17,7 +18,9 @@ For each ZeRO stage in --stages, --rounds rounds each launch two data-parallel j
 (who goes first swaps each round). Both jobs train the same Llama model
 (`ARCHITECTURES["llama"]` at --size, initialised to the same weights), on the same
 samples (polytrain's GlobalBatchSampler over the same packed token file, seeded alike),
-with the same micro-batch, gradient accumulation, global batch, fp32, torch's AdamW with
+with the same micro-batch, gradient accumulation, global batch, precision (--precision bf16,
+the default: 16-bit weights and gradients over fp32 masters, DeepSpeed's `bf16` block and
+polytrain's train.precision; or fp32), torch's AdamW with
 the same hyperparameters and weight-decay groups, the same learning-rate schedule,
 clipping by global norm, and the same reduce/all-gather bucket size (25 MiB, polytrain's
 default). Each rank trains --warmup untimed steps, then --steps timed ones between two
@@ -78,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5, help="alternating jobs per framework and stage")
     p.add_argument("--loss", default="chunked", choices=("chunked", "plain"),
                    help="the loss algorithm of both sides (see the docstring)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="bf16",
+                   help="bf16: 16-bit weights and gradients, fp32 masters (both frameworks)")
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per job")
     p.add_argument("--warmup", type=int, default=3, help="untimed optimizer steps per job first")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(),
@@ -99,7 +104,7 @@ def config_overrides(args: argparse.Namespace) -> list[str]:
             "--data.seq_len", str(args.seq_len),
             "--train.micro_batch_size", str(args.micro_batch),
             "--train.global_batch_size", str(args.global_batch),
-            "--train.precision", "fp32", "--train.optimizer", "adamw",
+            "--train.precision", args.precision, "--train.optimizer", "adamw",
             "--run.steps", str(args.warmup + args.steps),
             "--checkpoint.resume", "none", "--checkpoint.every", "0",
             "--train.chunked_loss", str(args.loss == "chunked").lower()]
@@ -122,7 +127,9 @@ def proc_status_kib(field: str) -> int | None:
 class DeepSpeedJob:
     """One rank of DeepSpeed's engine training the polytrain model with polytrain's batches."""
 
-    def __init__(self, cfg: Config, stage: int):
+    def __init__(self, cfg: Config, stage: int, on_optimizer_step=None, zero_options: dict | None = None):
+        """`on_optimizer_step()` runs right before each optimizer step (a probe: zero_memory_comm.py);
+        `zero_options` are added to the zero_optimization block (offload: zero3_nvme_cap.py)."""
         import deepspeed  # the optional peer: only its own ranks import it
 
         from polytrain.data import GlobalBatchSampler, TokenDataset, prepare_corpus
@@ -143,7 +150,8 @@ class DeepSpeedJob:
             from polytrain.train.chunked_loss import LossHead
 
             self.head = model.output = LossHead.replacing(model.output)
-        bucket = int(cfg.parallel.reduce_bucket_mb * 2**20) // 4  # elements of fp32
+        # DeepSpeed counts bucket elements of the gradient dtype; keep polytrain's bytes.
+        bucket = int(cfg.parallel.reduce_bucket_mb * 2**20) // (2 if t.precision == "bf16" else 4)
         config = {
             "train_batch_size": t.global_batch_size,
             "train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -153,19 +161,23 @@ class DeepSpeedJob:
                 "weight_decay": t.weight_decay, "torch_adam": True}},
             "zero_allow_untested_optimizer": True,
             "gradient_clipping": t.grad_clip,
-            "fp16": {"enabled": False}, "bf16": {"enabled": False},
+            "fp16": {"enabled": False}, "bf16": {"enabled": t.precision == "bf16"},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket,
-                                  "allgather_bucket_size": bucket},
+                                  "allgather_bucket_size": bucket, **(zero_options or {})},
             "steps_per_print": 10**9, "wall_clock_breakdown": False,
         }
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, t.weight_decay), config=config)
+        if on_optimizer_step is not None:
+            inner = self.optimizer.step
+            self.optimizer.step = lambda *a, **k: (on_optimizer_step(), inner(*a, **k))[1]
         corpus = prepare_corpus(cfg.data, cfg.model.vocab_size)
         self.data = TokenDataset(corpus.train_path, corpus.dtype, cfg.data.seq_len)
         self.sampler = GlobalBatchSampler(len(self.data), t.global_batch_size, cfg.run.seed, rank, world)
         self.step = 0
 
-    def train_step(self) -> float:
+    def train_step(self, after_backward=None) -> float:
+        """One optimizer step over the global batch; `after_backward()` runs after each micro-batch's."""
         from polytrain.optim.schedule import set_lr
 
         local = self.sampler.next_batch()
@@ -181,6 +193,8 @@ class DeepSpeedJob:
                 logits = self.engine(inputs)
                 loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
             self.engine.backward(loss)  # DeepSpeed divides by the accumulation steps itself
+            if after_backward is not None:
+                after_backward()
             self.engine.step()  # the optimizer steps at the accumulation boundary only
             loss_sum += loss.detach() / self.accum
         self.step += 1
@@ -237,7 +251,7 @@ def launch(args: argparse.Namespace, framework: str, stage: int, work: Path, tag
            "--out-dir", str(out), "--size", args.size, "--seq-len", str(args.seq_len),
            "--micro-batch", str(args.micro_batch), "--global-batch", str(args.global_batch),
            "--source", args.source, "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--loss", args.loss, "--polytrain-args", args.polytrain_args]
+           "--loss", args.loss, "--precision", args.precision, "--polytrain-args", args.polytrain_args]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, args.threads // args.nproc)),
            "DS_ACCELERATOR": "cpu" if torch.cuda.device_count() == 0 else
            os.environ.get("DS_ACCELERATOR", "cuda")}
@@ -301,7 +315,9 @@ def report(args: argparse.Namespace, summary: dict, params: float, ds_version: s
     lines = [
         f"Machine: {machine()}, deepspeed {ds_version} | {datetime.date.today().isoformat()}{load_text}",
         (f"Model: llama {args.size} ({params / 1e6:.1f}M parameters), seq {args.seq_len}, "
-         f"micro-batch {args.micro_batch}, global batch {args.global_batch}, fp32 AdamW, {args.loss} loss, "
+         f"micro-batch {args.micro_batch}, global batch {args.global_batch}, {args.precision} AdamW"
+         f"{' (16-bit weights and gradients, fp32 masters, both)' if args.precision == 'bf16' else ''}, "
+         f"{args.loss} loss, "
          f"{args.nproc} ranks x {max(1, args.threads // args.nproc)} thread(s), gloo; "
          f"median of {args.rounds} job(s) each, {args.steps} timed steps after {args.warmup}"),
         f"Command: `{command}`",

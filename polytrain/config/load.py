@@ -190,6 +190,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.val_fraction = {cfg.data.val_fraction} must be in (0, 1): validation needs data")
     if t.lr_schedule == "cosine" and t.warmup_type != "linear":
         raise ConfigError("train.warmup_type = 'log' needs a ds_* train.lr_schedule; cosine warms up linearly")
+    if t.autocast_only and t.precision == "fp32":
+        raise ConfigError("train.autocast_only applies to train.precision bf16 or fp16; remove it or set "
+                          "the precision")
     if t.precision == "fp16" and (t.initial_scale_power < 0 or t.loss_scale < 0 or t.hysteresis < 1
                                   or t.loss_scale_window < 1 or t.min_loss_scale <= 0):
         raise ConfigError("fp16 loss scaling needs loss_scale >= 0, initial_scale_power >= 0, "
@@ -199,11 +202,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.min_lr = {t.min_lr} is above train.lr = {t.lr}")
     if cfg.parallel.reduce_bucket_mb <= 0:
         raise ConfigError(f"parallel.reduce_bucket_mb = {cfg.parallel.reduce_bucket_mb} must be positive")
-    if cfg.parallel.offload != "none" and cfg.parallel.zero not in (1, 2):
-        raise ConfigError(
-            f"parallel.offload = '{cfg.parallel.offload}' needs parallel.zero = 1 or 2, not {cfg.parallel.zero} "
-            f"(it moves ZeRO-1/2's sharded optimizer state); set parallel.zero = 2 or parallel.offload = 'none'"
-        )
+    _validate_offload(cfg)
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 0:
         raise ConfigError("checkpoint.every and checkpoint.keep must be >= 0")
     if t.compile and cfg.parallel.tp > 1 and t.activation_checkpoint == "selective":
@@ -253,6 +252,30 @@ def _validate_rlhf(r: RLHFConfig) -> None:
         raise ConfigError(f"rlhf.group_size = {r.group_size} must be at least 2 (GRPO compares samples of a prompt)")
     if not 0 <= r.task_noise < 1:
         raise ConfigError(f"rlhf.task_noise = {r.task_noise} must be in [0, 1)")
+
+
+def _validate_offload(cfg: Config) -> None:
+    """parallel.offload / offload_params against the ZeRO stage and the layout."""
+    p = cfg.parallel
+    if p.offload != "none" and p.zero == 0:
+        raise ConfigError(f"parallel.offload = '{p.offload}' moves ZeRO's sharded optimizer state; set "
+                          f"parallel.zero to 1, 2 or 3, or parallel.offload = 'none'")
+    if p.offload_params != "none" and p.zero != 3:
+        raise ConfigError(f"parallel.offload_params = '{p.offload_params}' needs parallel.zero = 3 (sharded "
+                          f"parameters), not {p.zero}; set parallel.zero = 3 or use parallel.offload")
+    if p.zero != 3 or (p.offload, p.offload_params) == ("none", "none"):
+        return
+    if "none" not in (p.offload, p.offload_params) and p.offload != p.offload_params:
+        raise ConfigError(f"parallel.offload = '{p.offload}' and parallel.offload_params = '{p.offload_params}': "
+                          f"ZeRO-3's fp32 parameter shards are its optimizer's masters, so they live in one "
+                          f"place; give both the same value, or set one to 'none'")
+    for key, wrong in (("parallel.tp", p.tp != 1), ("parallel.pp", p.pp != 1)):
+        if wrong:
+            raise ConfigError(f"ZeRO-3 offload runs over data parallelism only; set {key} = 1 or "
+                              f"parallel.offload and parallel.offload_params to 'none'")
+    if "nvme" in (p.offload, p.offload_params) and cfg.train.precision == "fp16":
+        raise ConfigError("train.precision = fp16 with ZeRO-3 nvme offload: fp16 loss scaling unscales the "
+                          "gradients in memory, and these live in files; use train.precision = bf16")
 
 
 def _validate_optimizer(t: TrainConfig) -> None:

@@ -144,7 +144,9 @@ class TrainConfig:
     trust_clip: float = 0.0
     """lamb/lars only: upper bound on each tensor's trust ratio ||w|| / ||update|| (0 = unbounded)."""
     precision: str = _choices("fp32", "bf16", "fp16")
-    """Compute precision; bf16/fp16 autocast matmuls while weights and optimizer stay fp32."""
+    """bf16/fp16: 16-bit weights and gradients, fp32 master weights and optimizer state (see autocast_only)."""
+    autocast_only: bool = False
+    """bf16/fp16: keep fp32 weights, gradients and optimizer state and only autocast the matmuls (more memory)."""
     loss_scale: float = 0.0
     """fp16 only: 0 = dynamic loss scaling; > 0 = this fixed scale."""
     initial_scale_power: int = 16
@@ -188,9 +190,11 @@ class ParallelConfig:
     reduce_bucket_mb: float = 25.0
     """ZeRO-1/2: MiB of gradients reduce-scattered together; smaller buckets start during backward sooner."""
     offload: str = _choices("none", "cpu", "nvme")
-    """ZeRO-1/2 masters and optimizer state: on the accelerator (none), in host memory (cpu) or in files (nvme)."""
+    """Optimizer offload: ZeRO-1/2 masters and state, ZeRO-3 shards, on the accelerator (none), host (cpu) or files."""
+    offload_params: str = _choices("none", "cpu", "nvme")
+    """ZeRO-3 parameter offload: shards (with their gradients and optimizer state) in host memory or files (nvme)."""
     nvme_path: str = ""
-    """Directory of offload = nvme's memory-mapped state files; empty = <run dir>/offload (a temp dir if unknown)."""
+    """Directory of nvme offload's state files; empty = <run dir>/offload (a temp dir if unknown)."""
     tp: int = 1
     """Tensor-parallel degree: each layer's weights are split over this many consecutive ranks."""
     tp_mode: str = _choices("1d", "2d", "2.5d", "3d")

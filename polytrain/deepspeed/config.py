@@ -458,12 +458,10 @@ def _zero(r: _Reader) -> tuple[int, str, str, str | None, int | None]:
             "polytrain swaps both to one directory: make them equal"
         )
     # polytrain's own limits, checked after DeepSpeed's rules so the message fits the file.
-    if param_dev != "none":
-        raise ConfigError(f"{z}.offload_param (parameter offload) is not supported by polytrain yet; "
-                          f"remove it (optimizer offload works with stage 1 or 2)")
-    if opt_dev != "none" and stage == 3:
-        raise ConfigError(f"{z}.offload_optimizer with stage 3 is not supported by polytrain yet; "
-                          f'use stage 1 or 2 with device "cpu"')
+    if "none" not in (opt_dev, param_dev) and opt_dev != param_dev:
+        raise ConfigError(f'{z}.offload_param.device = "{param_dev}" and {z}.offload_optimizer.device = '
+                          f'"{opt_dev}" differ: polytrain\'s ZeRO-3 keeps its fp32 parameter shards, which are '
+                          f"the optimizer's master weights, in one place; give both the same device")
     bucket = r.integer(f"{z}.reduce_bucket_size", None, lo=1)
     return stage, opt_dev, param_dev, paths.pop() if paths else None, bucket
 
@@ -546,7 +544,8 @@ def to_overrides(ds: DSConfig) -> list[str]:
     elif opt:
         # DeepSpeed without a scheduler keeps the optimizer's lr: a cosine from lr to lr, no warmup.
         out |= {"train.lr_schedule": "cosine", "train.warmup_steps": 0, "train.min_lr": opt.lr}
-    out |= {"parallel.zero": ds.zero_stage, "parallel.offload": ds.offload_optimizer}
+    out |= {"parallel.zero": ds.zero_stage, "parallel.offload": ds.offload_optimizer,
+            "parallel.offload_params": ds.offload_param}
     if ds.nvme_path:
         out["parallel.nvme_path"] = ds.nvme_path
     if ds.reduce_bucket_size:

@@ -1,6 +1,6 @@
 """Data parallelism and ZeRO behind one small strategy interface the trainer talks to.
 
-    dp = build_data_parallel(runtime, cfg.parallel)
+    dp = build_data_parallel(runtime, cfg.parallel)   # strategies.py: which strategy for the config
     model = dp.parallelize(model)                     # on the meta device, before materialize
     optimizer = dp.build_optimizer(model, cfg.train)  # after materialize; its param_groups carry the lr
     for i, batch in enumerate(micro_batches):
@@ -23,8 +23,15 @@ Two implementations:
   `parallel.offload` those live and step on the host or in files (offload.py), also
   on a single rank.
 
-With pipeline parallelism (pp > 1) each of the rank's stages gets its own
-FSDP2DataParallel behind `PipelineDataParallel` (pipeline/chunks.py).
+16-bit model states (train.precision bf16/fp16 without train.autocast_only): FSDP2 keeps
+its sharded (zero 3) or replicated (zero 0) parameters in fp32 as the optimizer's masters
+and computes with 16-bit copies (MixedPrecisionPolicy: all-gathered in 16 bits, gradients
+reduced and kept in fp32); ZeroDataParallel computes with 16-bit replicas beside its fp32
+master shards. A single data-parallel rank uses ZeroDataParallel for its masters whatever
+parallel.zero says (with one rank the stages differ only in when gradients are copied).
+
+With pipeline parallelism (pp > 1) each of the rank's stages gets its own strategy (by
+the same rules) behind `PipelineDataParallel` (pipeline/chunks.py).
 """
 
 from __future__ import annotations
@@ -36,14 +43,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from polytrain.config import ParallelConfig, TrainConfig
-from polytrain.distributed.offload import ShardStore
+from polytrain.config import TrainConfig
 from polytrain.distributed.reduce_scatter import AllReduceScatter
 from polytrain.distributed.runtime import Runtime
-from polytrain.distributed.zero import ZeroDataParallel
 from polytrain.optim.builder import build_optimizer
 from polytrain.optim.clip import clip_coefficient, global_norm, squared_norm_share
 
@@ -65,31 +70,23 @@ class DataParallel(Protocol):
     def close(self) -> None: ...
 
 
-def build_data_parallel(runtime: Runtime, cfg: ParallelConfig, run_dir: Path | None = None) -> DataParallel:
-    """The strategy for `parallel.zero`; one data-parallel rank gets a plain optimizer unless offloading.
-
-    `run_dir` is where nvme offload's files go when `parallel.nvme_path` is empty
-    (<run dir>/offload); without it, a fresh temp directory.
-    """
-    dims, mesh = runtime.dims, runtime.mesh
-    if dims.pp > 1:  # ZeRO-1/2 are refused with pp at start-up (pipeline/plan.py)
-        from polytrain.distributed.pipeline.chunks import PipelineDataParallel
-
-        return PipelineDataParallel(lambda: FSDP2DataParallel(runtime, pipelined=True), mesh["pp"])
-    if dims.zero in (1, 2) and (dims.dp > 1 or cfg.offload != "none"):
-        nvme_dir = cfg.nvme_path or (Path(run_dir) / "offload" if run_dir is not None else None)
-        store = ShardStore(cfg.offload, nvme_dir, runtime.world.rank, pin=runtime.acc.pin_memory_available())
-        # ParallelDims puts all data-parallel ranks on dp_shard for these stages.
-        dp_mesh = mesh["dp_shard"] if dims.dp > 1 else None
-        return ZeroDataParallel(runtime.acc, dp_mesh, dims.zero, int(cfg.reduce_bucket_mb * 2**20), store)
-    return FSDP2DataParallel(runtime)
-
-
-def shard_unit(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool,
-               reduce_by_all_reduce: bool) -> FSDPModule:
+def shard_unit(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool, reduce_by_all_reduce: bool,
+               param_dtype: torch.dtype = torch.float32, offload: str = "none", pin: bool = False) -> FSDPModule:
     """`fully_shard` one FSDP2 unit; `reduce_by_all_reduce`: the backend's reduce-scatter is
-    slower than its all-reduce (the accelerator says), so gradients are reduced by the latter."""
-    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    slower than its all-reduce (the accelerator says), so gradients are reduced by the latter.
+
+    16-bit `param_dtype`: the unit computes with 16-bit copies of its fp32 sharded
+    parameters and reduces (and keeps) gradients in fp32. Forward inputs are not cast:
+    the residual stream is whatever the 16-bit layers make of it, as under ZeRO-1/2.
+    `offload` "cpu" (or "nvme", whose files hold the host shards): FSDP2's CPU offload,
+    the sharded parameters, gradients and optimizer step on the host, each unit's shards
+    copied to the device for its all-gathers; `pin`: page-locked host shards (not with
+    nvme, which frees and regrows their storage).
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    policy = CPUOffloadPolicy(pin_memory=pin and offload == "cpu") if offload != "none" else OffloadPolicy()
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                mp_policy=mp if param_dtype != torch.float32 else MixedPrecisionPolicy(), offload_policy=policy)
     if reduce_by_all_reduce:
         module.set_custom_reduce_scatter(AllReduceScatter())
     return module
@@ -101,9 +98,12 @@ class FSDP2DataParallel:
     `pipelined`: the module is a pipeline stage, run by a schedule over many micro-batches.
     """
 
-    def __init__(self, runtime: Runtime, pipelined: bool = False):
-        self.runtime, self.pipelined = runtime, pipelined
+    def __init__(self, runtime: Runtime, pipelined: bool = False, param_dtype: torch.dtype = torch.float32,
+                 offload: str = "none"):
+        self.runtime, self.pipelined, self.param_dtype, self.offload = runtime, pipelined, param_dtype, offload
         self.dims, self.mesh = runtime.dims, runtime.mesh
+        # Where materialize puts the (sharded) parameters: FSDP2's CPU offload wants them on the host.
+        self.param_device = torch.device("cpu") if offload != "none" else None
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
 
@@ -119,11 +119,12 @@ class FSDP2DataParallel:
             return model
         dp_mesh = self.mesh["dp_replicate", "dp_shard"]
         by_all_reduce = self.runtime.acc.reduce_scatter_by_all_reduce
+        unit_options = (self.param_dtype, self.offload, self.runtime.acc.pin_memory_available())
         if not isinstance(getattr(model, "layers", None), nn.ModuleDict):
             # A model without a `layers` dict of blocks (a user's, through polytrain.initialize)
             # is one unit, gathered whole for forward and backward: ZeRO-3 then saves optimizer
             # and gradient memory, but not the peak of the parameters.
-            shard_unit(model, dp_mesh, self.dims.zero == 3, by_all_reduce)
+            shard_unit(model, dp_mesh, self.dims.zero == 3, by_all_reduce, *unit_options)
             return model
         # Re-gathering after forward is what saves ZeRO-3 its memory; with full
         # replicas there is nothing to free. Two exceptions keep blocks gathered:
@@ -136,16 +137,20 @@ class FSDP2DataParallel:
         blocks = list(model.layers.values())
         for i, block in enumerate(blocks):
             reshard = self.dims.zero == 3 and not self.pipelined and i < len(blocks) - 1
-            shard_unit(block, dp_mesh, reshard, by_all_reduce)
+            shard_unit(block, dp_mesh, reshard, by_all_reduce, *unit_options)
         # The root's parameters (embedding, head) are needed again right at the start
         # of backward, so they stay gathered after forward.
-        shard_unit(model, dp_mesh, False, by_all_reduce)
+        shard_unit(model, dp_mesh, False, by_all_reduce, *unit_options)
         return model
 
     def build_optimizer(self, model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
         self.model = model
         self.optimizer = build_optimizer(model, cfg)
         return self.optimizer
+
+    def named_optimizer_params(self) -> list[tuple[str, torch.Tensor]]:
+        """(FQN, tensor the optimizer steps) pairs: the parameters themselves."""
+        return list(self.model.named_parameters())
 
     def before_micro_batch(self, model: nn.Module, last: bool) -> None:
         """Reduce gradients across ranks only when needed during gradient accumulation.
@@ -172,7 +177,12 @@ class FSDP2DataParallel:
         """
         grads = [p.grad for n, p in self.model.named_parameters() if p.grad is not None and n not in leave_out]
         stage_ranks = self.dims.world_size // self.dims.pp
-        return squared_norm_share(grads, stage_ranks, next(self.model.parameters()).device)
+        return squared_norm_share(grads, stage_ranks, self.compute_device)
+
+    @property
+    def compute_device(self) -> torch.device:
+        """Where the model computes and collectives run (offloaded shards sit on the host)."""
+        return self.runtime.device
 
     @torch.no_grad()
     def scale_gradients(self, factor: torch.Tensor | float) -> None:

@@ -3,7 +3,7 @@
 ZeroDataParallel asks a `ShardStore` for its flat per-bucket buffers (S,) and never
 cares where they are:
 
-    offload   master shard            gradient shard   optimizer state          optimizer steps on
+    offload   master shard (fp32)     gradient shard   optimizer state          optimizer steps on
     none      accelerator             accelerator      accelerator (by torch)   accelerator
     cpu       host (pinned)           host             host (by torch)          host
     nvme      memory-mapped file      host             memory-mapped files      host
@@ -71,9 +71,9 @@ class ShardStore:
             return torch.zeros(size, device=self.host, pin_memory=self.pin)
         return torch.zeros(size, device=device)
 
-    def grad(self, bucket: int, size: int, device: torch.device) -> torch.Tensor:
-        """Bucket `bucket`'s fp32 reduced-gradient shard (S,)."""
-        return torch.zeros(size, device=self.host if self.offloaded else device)
+    def grad(self, bucket: int, size: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A zeroed reduced-gradient shard (S,) for bucket `bucket` (asked for once per step that has gradients)."""
+        return torch.zeros(size, dtype=dtype, device=self.host if self.offloaded else device)
 
     def state(self, bucket: int, name: str, size: int) -> torch.Tensor:
         """Bucket `bucket`'s optimizer-state tensor `name` (e.g. "exp_avg"), flat (S,); nvme only."""

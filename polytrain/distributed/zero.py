@@ -1,7 +1,8 @@
 """ZeRO stages 1 and 2: replicated compute parameters, sharded fp32 masters and optimizer state.
 
-Every data-parallel rank keeps the whole model as plain tensors and runs forward
-and backward on it. What is sharded over the dp ranks:
+Every data-parallel rank keeps the whole model (under tensor parallelism: its tp shard of
+every weight) as compute parameters and runs forward and backward on them. What is
+sharded over the dp ranks:
 
 - stage 1: the fp32 master weights and the optimizer state. Gradients accumulate
   full-size in `param.grad` over the micro-batches and are reduce-scattered once,
@@ -9,30 +10,48 @@ and backward on it. What is sharded over the dp ranks:
 - stage 2: also the gradients. Every micro-batch's backward reduce-scatters
   gradients bucket by bucket as they become ready (overlapping the rest of
   backward), frees each full gradient once it has been copied out, and adds the
-  result to this rank's fp32 gradient shard.
+  result to this rank's gradient shard.
 
-Layout. Each parameter of shape (d0, ...) is cut along dim 0 into dp pieces the
-way `torch.chunk` cuts it: c = ceil(d0 / dp) rows per piece, rank r owns rows
-[r*c, min((r+1)*c, d0)) (possibly none). That is exactly DTensor's `Shard(0)`. The
-inner optimizer steps plain tensors holding only the local rows (through DTensors
-it would pay a dispatch per op and tensor, as much as the arithmetic itself on a
-small model); `state_dict()` presents the masters and the optimizer state as
-`Shard(0)` DTensors over the same storage, which Distributed Checkpoint reshards to
-any other layout. For the collectives every piece is padded to c rows, and the
-parameters of one bucket are laid out per rank:
+Precision (`param_dtype`). fp32: compute weights, gradients and shards are fp32 (the
+masters duplicate this rank's rows of the weights). 16-bit (bf16/fp16 model states, as
+in the ZeRO paper): the compute weights and their gradients are 16-bit; the masters and
+the optimizer state fp32; per rank 2 psi (weights) + 2 psi (stage 1: full gradients) +
+12 psi / N, or 2 psi + 14 psi / N at stage 2, whose gradient shard is 16-bit. fp32 is used
+where precision needs it: the reduce-scatter sums the ranks' gradients in fp32 buffers
+(the send buffer is filled by upcasting), the result is rounded once into the shard,
+the gradient norm is accumulated in fp32, and each bucket's shard is upcast to fp32 for
+unscaling, clipping and the update just before its step (one bucket at a time, so the
+fp32 copy costs one bucket of memory). The updated masters are rounded to 16 bits before
+the all-gather, which then moves half the bytes.
 
-    send buffer (dp, S)   row r = [piece r of p0 | piece r of p1 | ...]   (full gradients)
+Layout. Each parameter's local tensor of shape (d0, ...) is cut along dim 0 into dp
+pieces the way `torch.chunk` cuts it: c = ceil(d0 / dp) rows per piece, rank r owns rows
+[r*c, min((r+1)*c, d0)) (possibly none). That is DTensor's `Shard(0)` (over a tensor-
+parallel shard: FSDP2's layout, see `master_spec`). The inner optimizer steps plain
+tensors holding only the local rows (through DTensors it would pay a dispatch per op and
+tensor, as much as the arithmetic itself on a small model); `state_dict()` presents the
+masters and the optimizer state as DTensors over the same storage, which Distributed
+Checkpoint reshards to any other layout. For the collectives every piece is padded to c
+rows, and the parameters of one bucket are laid out per rank:
+
+    send buffer (dp, S)   row r = [piece r of p0 | piece r of p1 | ...]   (full gradients, fp32)
     master, grad (S,)     this rank's [piece of p0 | piece of p1 | ...]  (padding stays zero)
 
-After the inner optimizer step the master shards are all-gathered back into the
-compute parameters.
+The gradient shards exist only while there are gradients: allocated by the first
+reduction of a step, dropped by `zero_grad`. After the optimizer steps (bucket by
+bucket) the master shards are all-gathered back into the compute parameters.
 
 Where the flat buffers, and so the optimizer state and step, live is the
 `ShardStore`'s business (offload.py): on the accelerator, or on the host with
 `parallel.offload`. Collectives always run on the accelerator: reduced gradients are
 copied to the host shards, updated masters back to the device before the all-gather.
-With a single data-parallel rank (offload on one device) there is no mesh: the shards
-are whole plain tensors and the collectives are copies.
+With a single data-parallel rank (offload, or 16-bit states on one device) there is no
+mesh: the shards are whole plain tensors and the collectives are copies.
+
+Under a pipeline (`pipelined`) no one announces micro-batches: stage 1 reduces when the
+step begins (`_flush`), stage 2 in backward as always, a bucket's second gradient of a
+step being the next micro-batch's. Parameters in `keep_full_grads` (a pipeline's tied
+copies, whose gradients are summed after backward) sit in buckets reduced only then.
 """
 
 from __future__ import annotations
@@ -44,15 +63,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor import DTensor
 
 from polytrain.backend.base import Accelerator
 from polytrain.config import TrainConfig
 from polytrain.distributed.offload import ShardStore, fresh_state, state_names
 from polytrain.distributed.reduce_scatter import start_reduce_scatter
+from polytrain.distributed.zero_specs import as_sharded, replicas, tp_group_of
 from polytrain.optim.builder import make_optimizer, param_groups
-from polytrain.optim.clip import clip_coefficient, sharded_grad_norm
+from polytrain.optim.clip import clip_coefficient, global_norm
 
 # Collectives allowed in flight at once: enough to overlap with compute, while the
 # transient send/receive buffers stay at about two buckets.
@@ -66,16 +85,21 @@ def shard_rows(d0: int, dp: int, rank: int) -> tuple[int, int]:
     return start, min(per, d0 - start)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor: a DTensor's local shard (shares storage), or `t` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 @dataclass
 class Slot:
     """Where one parameter lives inside its bucket."""
 
-    param: nn.Parameter  # the replicated compute parameter, full shape
+    param: nn.Parameter  # the compute parameter: full shape, or a tensor-parallel DTensor
     fqn: str
     offset: int  # start of its piece in the bucket's per-rank buffer (S,)
     piece: int  # padded elements per rank: ceil(d0 / dp) * row
     rows: int  # rows this rank really owns (<= ceil(d0 / dp))
-    row: int  # elements per dim-0 row
+    row: int  # elements per dim-0 row of the local tensor
 
 
 @dataclass
@@ -85,7 +109,9 @@ class Bucket:
     slots: list[Slot]
     size: int  # S: padded elements per rank
     master: torch.Tensor  # (S,) fp32 master weights (views of it are the master DTensors)
-    grad: torch.Tensor  # (S,) fp32 reduced-gradient shard, accumulated over micro-batches
+    index: int = 0  # position in the plan (names the store's buffers)
+    grad: torch.Tensor | None = None  # (S,) reduced-gradient shard, from the step's first reduction
+    deferred: bool = False  # reduced only when the step begins (keep_full_grads)
     ready: set[int] = field(default_factory=set)  # ids of params whose gradient is final
     launched: bool = False  # reduce-scatter started for the current micro-batch
 
@@ -104,29 +130,31 @@ class CommCounts:
 
 
 def plan_buckets(named: list[tuple[str, nn.Parameter]], bucket_bytes: int, dp: int, rank: int,
-                 store: ShardStore | None = None) -> list[Bucket]:
+                 store: ShardStore | None = None, first_index: int = 0) -> list[Bucket]:
     """Group parameters, in the given order, into buckets of at most `bucket_bytes` of gradient.
 
     A parameter larger than the limit gets a bucket of its own. `store` places the
-    buckets' buffers (default: zeros on the parameters' device).
+    buckets' master buffers (default: zeros on the parameters' device); the buckets are
+    numbered from `first_index`.
     """
     store = store or ShardStore()
 
     def bucket(slots: list[Slot], size: int) -> Bucket:
-        device, index = slots[0].param.device, len(buckets)
-        return Bucket(slots, size, store.master(index, size, device), store.grad(index, size, device))
+        device, index = slots[0].param.device, first_index + len(buckets)
+        return Bucket(slots, size, store.master(index, size, device), index)
 
     buckets, slots, size, used = [], [], 0, 0
     for fqn, param in named:
-        if param.ndim == 0:
+        local = _local(param)
+        if local.ndim == 0:
             raise ValueError(f"ZeRO shards along dim 0; parameter {fqn} is a scalar")
-        nbytes = param.numel() * param.element_size()
+        nbytes = local.numel() * local.element_size()
         if slots and used + nbytes > bucket_bytes:
             buckets.append(bucket(slots, size))
             slots, size, used = [], 0, 0
-        row = param[0].numel()
-        per = math.ceil(param.shape[0] / dp)
-        slots.append(Slot(param, fqn, size, per * row, shard_rows(param.shape[0], dp, rank)[1], row))
+        row = local[0].numel() if local.shape[0] else math.prod(local.shape[1:])
+        per = math.ceil(local.shape[0] / dp)
+        slots.append(Slot(param, fqn, size, per * row, shard_rows(local.shape[0], dp, rank)[1], row))
         size += per * row
         used += nbytes
     if slots:
@@ -163,20 +191,22 @@ def join_pieces(pieces: torch.Tensor, flat: torch.Tensor) -> None:
 class ZeroDataParallel:
     """ZeRO stage 1 or 2 over a 1-D data-parallel mesh; the strategy interface of `data_parallel.py`.
 
-    Where things live (what mixed precision would swap; `store` decides the device):
-    - `buckets[i].master` / `.grad`: flat fp32 buffers (S,) with this rank's master
-      and reduced-gradient shards of the bucket's parameters;
-    - `masters`: FQN -> plain parameter (rows, ...) viewing this rank's rows of a `master`
-      buffer (its `.grad` views the `grad` buffer);
+    Where things live (`store` decides the device):
+    - `buckets[i].master` / `.grad`: flat buffers (S,) with this rank's fp32 master and
+      reduced-gradient (param_dtype) shards of the bucket's parameters;
+    - `masters`: FQN -> plain fp32 parameter (rows, ...) viewing this rank's rows of a `master` buffer;
     - `optimizer`: the inner torch optimizer over `masters`; `optimizer.state` holds
       the sharded optimizer state, plain local tensors shaped like the masters.
     """
 
     def __init__(self, acc: Accelerator, mesh: DeviceMesh | None, stage: int, bucket_bytes: int,
-                 store: ShardStore | None = None):
+                 store: ShardStore | None = None, param_dtype: torch.dtype = torch.float32,
+                 pipelined: bool = False, tp: int = 1):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements stages 1 and 2, not {stage}")
         self.acc, self.mesh, self.stage, self.bucket_bytes = acc, mesh, stage, bucket_bytes
+        self.param_dtype, self.pipelined = param_dtype, pipelined
+        self.tp = tp  # ranks holding a copy of each plain (not tensor-parallel) parameter's rows
         self._hooks: list = []
         self.store = store or ShardStore()
         # mesh None: one data-parallel rank, no process group.
@@ -188,22 +218,25 @@ class ZeroDataParallel:
         self.optimizer: torch.optim.Optimizer | None = None
         self.buckets: list[Bucket] = []
         self.masters: dict[str, nn.Parameter] = {}
+        self.keep_full_grads: set[str] = set()  # set before build_optimizer (see the module docstring)
         self.comm = CommCounts()
-        self._master_grads: list[tuple[nn.Parameter, torch.Tensor]] = []  # (rows, ...) each
         self._slot_of: dict[str, Slot] = {}
         self._bucket_of: dict[int, Bucket] = {}
         self._pending: list[tuple[dist.Work | None, torch.Tensor, Bucket, torch.Tensor]] = []
+        self._grad_factor: torch.Tensor | None = None  # clipping's coefficient, applied at the step
         # Whether gradients produced by backward now are reduced at once (always in
         # stage 2, on the last micro-batch in stage 1). True by default so a caller
-        # that never announces micro-batches still gets reduced gradients.
-        self._reducing = True
+        # that never announces micro-batches still gets reduced gradients; a pipeline
+        # (which does not announce them) reduces stage 1's when the step begins.
+        self._reduce_by_default = not (pipelined and stage == 1)
+        self._reducing = self._reduce_by_default
 
     # ----- set-up -------------------------------------------------------------------
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        """Nothing to do before materialisation: compute parameters stay whole on every rank."""
-        self.model = model
-        return model
+        """Before materialisation: the compute parameters stay whole, in `param_dtype`."""
+        self.model = model.to(self.param_dtype) if self.param_dtype != torch.float32 else model
+        return self.model
 
     def build_optimizer(self, model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
         """Cut the (materialised) parameters into master shards and build the inner optimizer over them."""
@@ -214,13 +247,17 @@ class ZeroDataParallel:
         # parameters (a LoRA base) get no master, gradient or optimizer state.
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.device = named[0][1].device
-        self.buckets = plan_buckets(named[::-1], self.bucket_bytes, self.size, self.rank, self.store)
+        eager = [(n, p) for n, p in named[::-1] if n not in self.keep_full_grads]
+        later = [(n, p) for n, p in named[::-1] if n in self.keep_full_grads]
+        self.buckets = plan_buckets(eager, self.bucket_bytes, self.size, self.rank, self.store)
+        deferred = plan_buckets(later, self.bucket_bytes, self.size, self.rank, self.store, len(self.buckets))
+        for bucket in deferred:
+            bucket.deferred = True
+        self.buckets += deferred
         by_param, by_fqn = {}, {}
         for bucket in self.buckets:
             for slot in bucket.slots:
-                master, grad = self._shard_views(bucket, slot)
-                by_fqn[slot.fqn] = by_param[id(slot.param)] = master
-                self._master_grads.append((master, grad))
+                by_fqn[slot.fqn] = by_param[id(slot.param)] = self._master_of(bucket, slot)
                 self._slot_of[slot.fqn] = slot
                 self._bucket_of[id(slot.param)] = bucket
                 # Kept to remove in close(): the hook is a bound method held by autograd's
@@ -235,40 +272,33 @@ class ZeroDataParallel:
             self._map_optimizer_state()
         return self.optimizer
 
+    def named_optimizer_params(self) -> list[tuple[str, torch.Tensor]]:
+        """(FQN, tensor the optimizer steps) pairs: the master shards."""
+        return list(self.masters.items())
+
     @staticmethod
     def _rows(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
         """This rank's rows of `slot`'s parameter inside a bucket buffer `flat` (S,), as (rows, ...)."""
-        return flat[slot.offset:slot.offset + slot.rows * slot.row].view(slot.rows, *slot.param.shape[1:])
+        shape = _local(slot.param).shape[1:]
+        return flat[slot.offset:slot.offset + slot.rows * slot.row].view(slot.rows, *shape)
 
     @torch.no_grad()
-    def _shard_views(self, bucket: Bucket, slot: Slot) -> tuple[nn.Parameter, torch.Tensor]:
-        """This rank's master (filled from the compute parameter) and gradient rows of one parameter."""
-        start = shard_rows(slot.param.shape[0], self.size, self.rank)[0]
+    def _master_of(self, bucket: Bucket, slot: Slot) -> nn.Parameter:
+        """This rank's fp32 master rows of one parameter, filled from the compute parameter."""
+        local = _local(slot.param)
+        start = shard_rows(local.shape[0], self.size, self.rank)[0]
         master = self._rows(bucket.master, slot)  # (rows, ...)
-        master.copy_(slot.param[start:start + slot.rows])
-        return nn.Parameter(master), self._rows(bucket.grad, slot)
+        master.copy_(local[start:start + slot.rows])
+        return nn.Parameter(master)
 
     def _map_optimizer_state(self) -> None:
         """Give the inner optimizer state that views memory-mapped files, one per bucket and state tensor."""
         names = state_names(self.optimizer)
-        for index, bucket in enumerate(self.buckets):
-            files = {name: self.store.state(index, name, bucket.size) for name in names}  # (S,) each
+        for bucket in self.buckets:
+            files = {name: self.store.state(bucket.index, name, bucket.size) for name in names}  # (S,) each
             for slot in bucket.slots:
                 views = {name: self._rows(flat, slot) for name, flat in files.items()}
                 self.optimizer.state[self.masters[slot.fqn]] = fresh_state(self.optimizer, views)
-
-    def _as_dtensor(self, local: torch.Tensor, like: torch.Tensor) -> DTensor | torch.Tensor:
-        """This rank's rows `local` as a `Shard(0)` DTensor with the global shape of `like` (shares storage).
-
-        Built from its spec: `DTensor.from_local` would copy a host (offloaded) shard to
-        the mesh's device. FSDP2's CPU offload builds its sharded parameters the same way.
-        Without a mesh the rows are the whole tensor and stay plain.
-        """
-        if self.mesh is None:
-            return local
-        stride = torch.empty(like.shape, device="meta").stride()  # contiguous, of the global shape
-        spec = DTensorSpec(self.mesh, (Shard(0),), TensorMeta(like.shape, stride, local.dtype))
-        return DTensor(local, spec, requires_grad=False)
 
     @torch.no_grad()
     def _whole_square_sums(self, masters: list[torch.Tensor], local: torch.Tensor) -> torch.Tensor:
@@ -276,13 +306,20 @@ class ZeroDataParallel:
 
         Every master is one parameter's rows, and the dp ranks' rows of it are disjoint
         (padding is never part of a master), so one all-reduce of the (n, k) partial sums
-        over the dp group gives the whole tensors' sums for all n parameters at once.
-        For LAMB/LARS trust ratios (optim/trust.py).
+        over the dp group gives each local tensor's sums; a tensor-parallel shard's rows
+        are then all-reduced over the tp group too. For LAMB/LARS trust ratios (optim/trust.py).
         """
-        if self.group is None:
-            return local
         total = local.to(self.device)  # collectives run on the accelerator, also when offloaded
-        dist.all_reduce(total, group=self.group)
+        if self.group is not None:
+            dist.all_reduce(total, group=self.group)
+        fqn_of = {id(m): fqn for fqn, m in self.masters.items()}
+        split = [i for i, m in enumerate(masters) if tp_group_of(self._slot_of[fqn_of[id(m)]].param)]
+        if split:
+            group = tp_group_of(self._slot_of[fqn_of[id(masters[split[0]])]].param)
+            index = torch.tensor(split, device=total.device)
+            part = total.index_select(0, index)
+            dist.all_reduce(part, group=group)
+            total.index_copy_(0, index, part)
         return total.to(local.device)
 
     # ----- gradients ----------------------------------------------------------------
@@ -298,23 +335,27 @@ class ZeroDataParallel:
         if not self._reducing:
             return
         bucket = self._bucket_of[id(param)]
+        if bucket.deferred:
+            return
         if bucket.launched:
-            raise RuntimeError("a gradient arrived after its ZeRO bucket was reduced (a parameter "
-                               "used in two backward passes of one micro-batch?)")
+            if not self.pipelined:
+                raise RuntimeError("a gradient arrived after its ZeRO bucket was reduced (a parameter "
+                                   "used in two backward passes of one micro-batch?)")
+            self._settle(bucket)  # a schedule's next micro-batch: the last one's reduction first
         bucket.ready.add(id(param))
         if len(bucket.ready) == len(bucket.slots):
             self._launch(bucket)
 
     @torch.no_grad()
     def _launch(self, bucket: Bucket) -> None:
-        """Start the bucket's reduce-scatter and free its full gradients."""
-        send = torch.empty(self.size, bucket.size, dtype=bucket.grad.dtype, device=self.device)  # (dp, S)
+        """Start the bucket's reduce-scatter (in fp32) and free its full gradients."""
+        send = torch.empty(self.size, bucket.size, dtype=torch.float32, device=self.device)  # (dp, S)
         for slot in bucket.slots:
             pieces = send[:, slot.offset:slot.offset + slot.piece]  # (dp, piece)
             if slot.param.grad is None:  # unused in this backward: contributes zeros
                 pieces.zero_()
             else:
-                split_into_pieces(slot.param.grad.reshape(-1), pieces)
+                split_into_pieces(_local(slot.param.grad).reshape(-1), pieces)
                 slot.param.grad = None
         # recv (S,): the sum of every rank's pieces for this rank, once `work` is done
         work, recv = start_reduce_scatter(send, self.group, self.rank, self.by_all_reduce)
@@ -336,8 +377,19 @@ class ZeroDataParallel:
         work, recv, bucket, _send = self._pending.pop(0)  # _send must live until the work is done
         if work is not None:
             work.wait()
-        # The average over data-parallel ranks; offloaded, a (blocking) copy to the host shard.
-        bucket.grad.add_(recv.div_(self.size).to(bucket.grad.device))
+        recv.div_(self.size)  # the average over data-parallel ranks, in fp32
+        if bucket.grad is None:  # the step's first reduction: the shard starts as it (a copy)
+            bucket.grad = self.store.grad(bucket.index, bucket.size, self.device, self.param_dtype)
+            bucket.grad.copy_(recv)  # offloaded, a (blocking) copy to the host shard
+        else:
+            bucket.grad.add_(recv.to(bucket.grad.device))  # rounded once into a 16-bit shard
+
+    def _settle(self, bucket: Bucket) -> None:
+        """Finish reductions up to and including `bucket`'s, and let it be reduced again."""
+        while any(item[2] is bucket for item in self._pending):
+            self._finish_oldest()
+        bucket.launched = False
+        bucket.ready.clear()
 
     def _flush(self) -> None:
         """Reduce whatever gradients backward left (e.g. of unused parameters) and wait for all reductions."""
@@ -350,41 +402,89 @@ class ZeroDataParallel:
             bucket.launched = False
             bucket.ready.clear()
 
-    def gradients(self) -> list[torch.Tensor]:
-        """This rank's final gradients, once every reduction is done: the fp32 shards of each bucket."""
+    def _finish_backward(self) -> None:
+        """All of the step's reductions, done; the next backward starts a new step."""
         self._flush()
-        self._reducing = True
+        self._reducing = self._reduce_by_default
+
+    def _shard(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's reduced-gradient shard; zeros if none of its parameters had a gradient."""
+        if bucket.grad is None:
+            bucket.grad = self.store.grad(bucket.index, bucket.size, self.device, self.param_dtype)
+        return bucket.grad
+
+    def gradients(self) -> list[torch.Tensor]:
+        """This rank's final gradients, once every reduction is done: each bucket's shard, in fp32.
+
+        For fp16 loss scaling, which unscales them in place: 16-bit shards are upcast here,
+        all at once (2 bytes per sharded parameter more until the step).
+        """
+        self._finish_backward()
+        for bucket in self.buckets:
+            bucket.grad = self._shard(bucket).float()
         return [bucket.grad for bucket in self.buckets]
 
+    def _grad_views(self) -> list[tuple[str, torch.Tensor]]:
+        """(FQN, this rank's gradient rows) of every parameter."""
+        return [(slot.fqn, self._rows(self._shard(bucket), slot)) for bucket in self.buckets for slot in bucket.slots]
+
     @torch.no_grad()
+    def squared_norm_share(self, leave_out=()) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm (see optim/clip.py), in fp32.
+
+        The dp ranks' rows are disjoint; a tensor-parallel replica counts 1/replicas on
+        each of the ranks holding it. `leave_out`: parameter names not counted.
+        """
+        self._finish_backward()
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for fqn, grad in self._grad_views():
+            if fqn not in leave_out:
+                square = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+                total += square.to(self.device) / replicas(self._slot_of[fqn].param, self.tp)
+        return total
+
+    def scale_gradients(self, factor: torch.Tensor | float) -> None:
+        """Multiply every gradient by `factor` (clipping by a norm computed elsewhere), at the step."""
+        factor = torch.as_tensor(factor, dtype=torch.float32)
+        self._grad_factor = factor if self._grad_factor is None else self._grad_factor * factor
+
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale the gradient shards so their global norm is at most `max_norm`; return the norm before."""
-        self._flush()
-        self._reducing = True
-        norm = sharded_grad_norm([g for _, g in self._master_grads], self.group, self.device)
+        norm = global_norm(self.squared_norm_share())
         if math.isfinite(max_norm):
-            coef = clip_coefficient(norm, max_norm)
-            for bucket in self.buckets:
-                bucket.grad.mul_(coef.to(bucket.grad.device))
+            self.scale_gradients(clip_coefficient(norm, max_norm))
         return norm.item()
 
     # ----- optimizer step -----------------------------------------------------------
 
     def step(self) -> None:
-        """Step the master shards, then all-gather them into the compute parameters."""
-        self._flush()
-        self._reducing = True
-        for master, grad in self._master_grads:
-            master.grad = grad  # re-attached: an inner zero_grad(set_to_none) would have dropped them
+        """Step the master shards bucket by bucket, then all-gather them into the compute parameters."""
+        self._finish_backward()
         if self.store.offloaded:
             # The last gather's asynchronous copies to the device read the host masters this step rewrites.
             self.acc.synchronize()
-        self.optimizer.step()
+        for bucket in self.buckets:
+            self._step_bucket(bucket)
+        self._grad_factor = None
         self._gather_params()
 
+    @torch.no_grad()
+    def _step_bucket(self, bucket: Bucket) -> None:
+        """The inner optimizer over one bucket's masters, with their gradients upcast and scaled."""
+        grad = self._shard(bucket).float()  # (S,); the shard itself when it is fp32 already
+        if self._grad_factor is not None:
+            grad.mul_(self._grad_factor.to(grad.device))
+        masters = [self.masters[slot.fqn] for slot in bucket.slots]
+        for master, slot in zip(masters, bucket.slots):
+            master.grad = self._rows(grad, slot)
+        self.optimizer.step()  # masters of other buckets have no gradient: skipped
+        for master in masters:
+            master.grad = None
+
     def zero_grad(self) -> None:
+        self._grad_factor = None  # also after a skipped (fp16 overflow) step
         for bucket in self.buckets:
-            bucket.grad.zero_()
+            bucket.grad = None
             for slot in bucket.slots:
                 slot.param.grad = None
 
@@ -392,9 +492,10 @@ class ZeroDataParallel:
     def _gather_params(self) -> None:
         in_flight = []
         for bucket in self.buckets:
-            # Offloaded, the updated host shard goes to the device first (asynchronously from pinned memory).
-            send = bucket.master.to(self.device, non_blocking=True)  # (S,)
-            recv = torch.empty(self.size, bucket.size, dtype=bucket.master.dtype, device=self.device)
+            # Offloaded, the updated host shard goes to the device first (asynchronously
+            # from pinned memory); 16-bit weights are gathered in 16 bits.
+            send = bucket.master.to(self.device, self.param_dtype, non_blocking=True)  # (S,)
+            recv = torch.empty(self.size, bucket.size, dtype=self.param_dtype, device=self.device)
             work = self._all_gather(recv.view(-1), send)
             self.comm.all_gather_calls += 1
             self.comm.all_gather_bytes += recv.numel() * recv.element_size()
@@ -409,7 +510,7 @@ class ZeroDataParallel:
         if work is not None:  # `send` had to live until now
             work.wait()
         for slot in bucket.slots:  # recv (dp, S) -> each full parameter
-            join_pieces(recv[:, slot.offset:slot.offset + slot.piece], slot.param.detach().view(-1))
+            join_pieces(recv[:, slot.offset:slot.offset + slot.piece], _local(slot.param).detach().view(-1))
 
     # ----- checkpoints --------------------------------------------------------------
 
@@ -418,15 +519,14 @@ class ZeroDataParallel:
 
         The same keys as `get_state_dict(model, optimizer)` gives for the single-process
         or FSDP runs, so Distributed Checkpoint moves state between the layouts. The model
-        entry is the fp32 masters (the values the optimizer updates), one `Shard(0)` piece
-        per rank; a tied parameter appears under each of its names, as in `model.state_dict()`.
-        The optimizer state's tensors shaped like the masters become `Shard(0)` DTensors
-        too; scalars ("step") stay as torch keeps them. Every DTensor shares storage with
-        the local tensor it wraps, so loading into this dict in place loads this rank.
+        entry is the fp32 masters (the values the optimizer updates), one shard per rank;
+        a tied parameter appears under each of its names, as in `model.state_dict()`.
+        The optimizer state's tensors shaped like the masters become DTensors too;
+        scalars ("step") stay as torch keeps them. Every DTensor shares storage with the
+        local tensor it wraps, so loading into this dict in place loads this rank.
         """
         self._init_optimizer_state()
-        sharded = {fqn: self._as_dtensor(master, self._slot_of[fqn].param)
-                   for fqn, master in self.masters.items()}
+        sharded = {fqn: self._sharded(master, fqn) for fqn, master in self.masters.items()}
         by_param = {id(self._slot_of[fqn].param): t for fqn, t in sharded.items()}
         model_sd = {name: by_param.get(id(t), t) for name, t in self.model.state_dict(keep_vars=True).items()}
         fqn_of = {id(master): fqn for fqn, master in self.masters.items()}
@@ -436,10 +536,13 @@ class ZeroDataParallel:
                          "params": [fqn_of[id(m)] for m in g["params"]]} for g in groups]
         return {"model": model_sd, "optim": {"state": state, "param_groups": saved_groups}}
 
+    def _sharded(self, local: torch.Tensor, fqn: str) -> DTensor | torch.Tensor:
+        return as_sharded(local, self._slot_of[fqn].param, self.mesh)
+
     def _sharded_state(self, fqn: str) -> dict:
-        """One master's optimizer state with its per-element tensors (rows, ...) as `Shard(0)` DTensors."""
-        master, like = self.masters[fqn], self._slot_of[fqn].param
-        return {key: self._as_dtensor(value, like) if _per_element(value, master) else value
+        """One master's optimizer state with its per-element tensors (rows, ...) as sharded DTensors."""
+        master = self.masters[fqn]
+        return {key: self._sharded(value, fqn) if _per_element(value, master) else value
                 for key, value in self.optimizer.state[master].items()}
 
     @torch.no_grad()
@@ -468,13 +571,13 @@ class ZeroDataParallel:
         rates = [g["lr"] for g in self.optimizer.param_groups]
         for group in self.optimizer.param_groups:
             group["lr"] = 0.0
-        for master, _ in self._master_grads:
+        for master in self.masters.values():
             master.grad = torch.zeros_like(master)
         self.optimizer.step()
         for group, lr in zip(self.optimizer.param_groups, rates):
             group["lr"] = lr
-        for master, grad in self._master_grads:
-            master.grad = grad
+        for master in self.masters.values():
+            master.grad = None
 
     def close(self) -> None:
         """Release what outlives the run: the gradient hooks and nvme offload's files."""
@@ -490,7 +593,7 @@ def _per_element(value, master: torch.Tensor) -> bool:
 
 
 def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
-    """Copy `value` (a tensor or this rank's `Shard(0)` DTensor of it) into the local `target`."""
+    """Copy `value` (a tensor or this rank's DTensor shard of it) into the local `target`."""
     if isinstance(value, DTensor):
         value = value.to_local()
     # Distributed Checkpoint loads in place, so usually `value` already is `target`'s storage.

@@ -20,6 +20,7 @@ in one process on the same world.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,8 @@ import torch.nn as nn
 
 from polytrain.config import Config
 from polytrain.distributed.activation_checkpoint import apply_activation_checkpointing
-from polytrain.distributed.data_parallel import DataParallel, build_data_parallel
+from polytrain.distributed.data_parallel import DataParallel
+from polytrain.distributed.strategies import build_data_parallel, param_dtype_of
 from polytrain.distributed.materialize import materialize
 from polytrain.distributed.pipeline import PipelinePlan, PipelineRunner, split_model
 from polytrain.distributed.pipeline.build import StageShapes, build_pipeline
@@ -42,6 +44,23 @@ from polytrain.train.compiled import CompileTimer, compile_blocks
 from polytrain.train.loss import ModelLoss, attach_loss_head, deferred_loss, logits_loss_for, scoring_head
 
 AUTOCAST = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class WeightInit:
+    """How the data-parallel strategy wants its model materialized (see materialize.py)."""
+
+    seed: int
+    round_to: torch.dtype | None
+    """16-bit model states: the dtype the initial values pass through."""
+    param_device: torch.device | None
+    """Where the parameters go when not to the compute device (offloaded shards: the host)."""
+    materialize: Callable
+    """materialize.py's, or the strategy's own (ZeRO-3 nvme offload: unit by unit)."""
+
+    def __call__(self, module: nn.Module, device: torch.device, init_as: dict[str, str] | None = None) -> None:
+        self.materialize(module, device, self.seed, init_as=init_as, round_to=self.round_to,
+                         param_device=self.param_device)
 
 
 @dataclass
@@ -95,16 +114,22 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
     timer = CompileTimer.started(compiled) if cfg.train.compile else None  # dp's hooks stay outside
     head = scoring_head(stages, pipeline) if chunked else None
     dtype = AUTOCAST[cfg.train.precision]
-    dp = build_data_parallel(runtime, cfg.parallel, run_dir)
+    # 16-bit compute weights and gradients over fp32 masters, or fp32 throughout.
+    param_dtype = param_dtype_of(cfg.train)
+    dp = build_data_parallel(runtime, cfg.parallel, run_dir, param_dtype=param_dtype)
     model = dp.parallelize(stages if pipeline else model)
+    # 16-bit states: the fp32 masters start as copies of the 16-bit initial weights.
+    weights = WeightInit(cfg.run.seed, param_dtype if param_dtype != torch.float32 else None,
+                         getattr(dp, "param_device", None), getattr(dp, "materialize", materialize))
     runner = None
     if pipeline:
-        shapes = StageShapes(cfg.train.micro_batch_size, cfg.data.seq_len, cfg.model.dim, cfg.model.vocab_size)
-        runner = build_pipeline(model, pipeline, runtime, dp, shapes, seed=cfg.run.seed,
+        shapes = StageShapes(cfg.train.micro_batch_size, cfg.data.seq_len, cfg.model.dim, cfg.model.vocab_size,
+                             param_dtype)
+        runner = build_pipeline(model, pipeline, runtime, dp, shapes, weights=weights,
                                 tied=cfg.model.tie_embeddings, autocast=lambda: runtime.acc.autocast(dtype),
                                 head_scores=chunked)
     else:
-        materialize(model, runtime.device, cfg.run.seed)
+        weights(model, runtime.device)
     logits_loss = logits_loss_for(tp_ctx, cfg.model.vocab_size)
     if head is not None and head.deferred:
         logits_loss = deferred_loss(head, lambda: runtime.acc.autocast(dtype))

@@ -20,6 +20,7 @@ import torch
 from polytrain.backend import get_accelerator
 from polytrain.config import Config, TrainConfig
 from polytrain.data.objectives import span_counts
+from polytrain.distributed.strategies import zero3_offload
 from polytrain.distributed.offload import check_nvme_path
 from polytrain.distributed.pipeline.plan import PipelinePlan, plan_from_config
 from polytrain.distributed.runtime import Runtime
@@ -100,8 +101,12 @@ def plan_layout(cfg: Config, world_size: int) -> Layout:
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     check_tensor_parallel(cfg, dims.dp, split_rules(cfg))  # tp against the model, the sequence, ZeRO
     p = cfg.parallel
-    if p.offload == "nvme" and p.nvme_path:
+    if "nvme" in (p.offload, p.offload_params) and p.nvme_path:
         check_nvme_path(p.nvme_path)  # here, not at load: another machine may read the config
+    if dims.zero == 3 and zero3_offload(p) != "none" and dims.dp_shard < 2:
+        raise ConfigError(f"ZeRO-3 offload shards the model over {dims.dp_shard} rank(s) (parallel.zero_shard); "
+                          f"it needs at least 2 (parallel.nproc >= 2), or use parallel.zero = 2 with "
+                          f"parallel.offload on one process")
     batch = plan_batch(cfg.train, dims.dp)
     arch = ARCHITECTURES[cfg.model.arch]
     if p.pp > 1 and arch.kind != "decoder":

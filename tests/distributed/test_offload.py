@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -150,11 +151,28 @@ def test_checkpoints_move_between_nvme_and_no_offload(small_corpus, tmp_path):
     assert_same_weights(final_weights(plain), final_weights(plain_to_nvme), "none zero2 -> nvme zero1")
 
 
-@pytest.mark.parametrize("zero", ["0", "3"])
-@pytest.mark.parametrize("mode", ["cpu", "nvme"])
-def test_offload_needs_zero_1_or_2(zero, mode):
-    with pytest.raises(ConfigError, match=rf"parallel.offload = '{mode}' needs parallel.zero = 1 or 2, not {zero}"):
-        load_config(None, ["--parallel.zero", zero, "--parallel.offload", mode])
+@pytest.mark.parametrize("args, message", [
+    (["--parallel.zero", "0", "--parallel.offload", "cpu"], "parallel.offload = 'cpu' moves ZeRO's sharded"),
+    (["--parallel.zero", "2", "--parallel.offload_params", "nvme"],
+     "parallel.offload_params = 'nvme' needs parallel.zero = 3 (sharded parameters), not 2"),
+    (["--parallel.zero", "3", "--parallel.offload", "cpu", "--parallel.offload_params", "nvme"],
+     "give both the same value, or set one to 'none'"),
+    (["--parallel.zero", "3", "--parallel.offload_params", "cpu", "--parallel.tp", "2"],
+     "ZeRO-3 offload runs over data parallelism only; set parallel.tp = 1"),
+    (["--parallel.zero", "3", "--parallel.offload_params", "nvme", "--train.precision", "fp16"],
+     "use train.precision = bf16"),
+    (["--train.autocast_only", "true"], "train.autocast_only applies to train.precision bf16 or fp16"),
+])
+def test_offload_and_precision_keys_are_checked(args, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, args)
+
+
+def test_zero3_offload_needs_two_shard_ranks():
+    cfg = load_config(None, ["--parallel.zero", "3", "--parallel.offload", "nvme"])
+    with pytest.raises(ConfigError, match=re.escape("over 1 rank(s) (parallel.zero_shard); it needs at least 2")):
+        plan_layout(cfg, 1)
+    assert plan_layout(cfg, 2).dims.dp_shard == 2
 
 
 def test_nvme_path_must_be_a_writable_directory(tmp_path):

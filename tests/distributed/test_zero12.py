@@ -117,9 +117,9 @@ def _memory_probe(rank: int, world_size: int, corpus: Path, run_dir: Path) -> di
         trainer.dp.before_micro_batch(trainer.model, last=False)  # a micro-batch before the last
         trainer._loss(indices, trainer.train_data).backward()
         local["full_grads_left"] = sum(p.grad is not None for p in trainer.model.parameters())
-        local["grad_shard"] = sum(b.grad.numel() for b in trainer.dp.buckets)
         trainer.dp.before_micro_batch(trainer.model, last=True)  # stage 2 lands its reductions here
-        local["grad_shard_nonzero"] = bool(any(b.grad.any() for b in trainer.dp.buckets))
+        local["grad_shard"] = sum(b.grad.numel() for b in trainer.dp.buckets if b.grad is not None)
+        local["grad_shard_nonzero"] = any(b.grad is not None and bool(b.grad.any()) for b in trainer.dp.buckets)
         trainer.dp.clip_grad_norm_(1.0)  # finish the reductions before the next trainer
         out[stage] = local
     return out
@@ -134,9 +134,10 @@ def test_zero12_shard_state_and_gradients(small_corpus, tmp_path):
             # Adam's two moments, each 1/dp of the single-process ones; masters likewise.
             assert local["state"] == 2 * n // world_size, (rank, stage)
             assert local["masters"] == n // world_size, (rank, stage)
-            assert local["grad_shard"] == n // world_size, (rank, stage)
-        # Stage 1 keeps accumulating full gradients until the last micro-batch;
-        # stage 2 reduced them into the shard during backward and freed them.
+        # Stage 1 keeps accumulating full gradients until the last micro-batch (its gradient
+        # shard does not exist yet); stage 2 reduced them into the shard during backward and
+        # freed them.
+        assert probe[1]["grad_shard"] == 0 and probe[2]["grad_shard"] == probe[2]["numel"] // world_size
         assert probe[1]["full_grads_left"] == probe[1]["tensors"] and not probe[1]["grad_shard_nonzero"]
         assert probe[2]["full_grads_left"] == 0 and probe[2]["grad_shard_nonzero"]
 

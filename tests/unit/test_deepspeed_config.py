@@ -38,7 +38,6 @@ NEW_KEYS = {
     "train.hysteresis",
     "train.min_loss_scale",
     "parallel.offload",
-    "parallel.offload_param",
     "parallel.nvme_path",
     "parallel.reduce_bucket_mb",
 }
@@ -542,18 +541,26 @@ def test_zero_stage_and_offload_devices_map():
     over = pairs(to_overrides(ds))
     assert (over["parallel.zero"], over["parallel.offload"]) == ("2", "cpu")
     over = pairs(to_overrides(load({"train_batch_size": 8, "zero_optimization": {"stage": 2}})))
-    assert (over["parallel.zero"], over["parallel.offload"]) == ("2", "none")
-    assert "parallel.offload_param" not in over and "parallel.nvme_path" not in over
+    assert (over["parallel.zero"], over["parallel.offload"], over["parallel.offload_params"]) == ("2", "none", "none")
+    assert "parallel.nvme_path" not in over
 
 
-@pytest.mark.parametrize("zero, message", [
-    ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"}},
-     "zero_optimization.offload_param (parameter offload) is not supported by polytrain yet"),
-    ({"stage": 3, "offload_optimizer": {"device": "cpu"}},
-     "zero_optimization.offload_optimizer with stage 3 is not supported by polytrain yet"),
+@pytest.mark.parametrize("zero, expected", [
+    ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nvme"},
+      "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}, ("nvme", "nvme")),
+    ({"stage": 3, "offload_param": {"device": "cpu"}}, ("none", "cpu")),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, ("cpu", "none")),
 ])
-def test_offload_polytrain_cannot_do_yet(zero, message):
-    with pytest.raises(ConfigError, match=re.escape(message)):
+def test_zero3_offload_blocks_map(zero, expected):
+    over = pairs(to_overrides(load({"train_batch_size": 8, "zero_optimization": zero})))
+    assert (over["parallel.offload"], over["parallel.offload_params"]) == expected
+    assert over.get("parallel.nvme_path") == ("/nvme" if "nvme" in expected else None)
+
+
+def test_zero3_offload_devices_must_agree():
+    zero = {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "nvme", "nvme_path": "/n"}}
+    with pytest.raises(ConfigError, match=re.escape('zero_optimization.offload_param.device = "cpu" and '
+                                                    'zero_optimization.offload_optimizer.device = "nvme" differ')):
         load({"train_batch_size": 8, "zero_optimization": zero})
 
 
@@ -747,6 +754,8 @@ def test_overrides_reproduce_the_whole_config():
         "2",
         "--parallel.offload",
         "cpu",
+        "--parallel.offload_params",
+        "none",
         "--parallel.reduce_bucket_mb",
         "953.67431640625",
         "--run.log_every",

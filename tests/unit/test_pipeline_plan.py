@@ -81,7 +81,6 @@ def test_stage_modules_keep_global_names_and_together_hold_the_model():
      "the interleaved schedule runs 2 rounds of micro-batches"),
     (["--parallel.pp_schedule", "zero_bubble", "--parallel.pp_virtual_stages", "4"],
      "runs exactly 2 stages per rank; set parallel.pp_virtual_stages = 2"),
-    (["--parallel.zero", "2"], "parallel.zero = 2 does not compose with parallel.pp > 1 yet; use parallel.zero = 0"),
     (["--parallel.pp", "1", "--parallel.pp_split", "layers.1"], "parallel.pp_split only applies with parallel.pp > 1"),
 ])
 def test_layouts_that_cannot_work(args, message):

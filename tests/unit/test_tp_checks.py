@@ -25,9 +25,6 @@ def dims(world: int, *args: str) -> ParallelDims:
      "parallel.tp = 4 does not split model.ffn_dim = 510; tp values that fit this model: 1, 2"),
     (2, ["--parallel.tp", "2", "--parallel.sp", "true", "--data.seq_len", "63"],
      "data.seq_len = 63 is not a multiple of 2; use data.seq_len = 62 or 64, or parallel.sp = false"),
-    (4, ["--parallel.tp", "2", "--parallel.zero", "1"],
-     "parallel.zero = 1 with parallel.tp = 2 is not supported yet"),
-    (4, ["--parallel.tp", "2", "--parallel.zero", "2"], "use parallel.zero = 0 or 3"),
     # tp_mode 2d / 2.5d / 3d grids: the valid choices near the request.
     # The tiny preset: dim 192, 6 heads, 2 KV heads, FFN 512, vocabulary 4096.
     (6, ["--parallel.tp", "6", "--parallel.tp_mode", "2d"],

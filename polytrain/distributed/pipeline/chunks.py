@@ -65,6 +65,10 @@ class PipelineDataParallel:
         return stages
 
     def build_optimizer(self, stages: nn.ModuleDict, cfg: TrainConfig) -> _ParamGroups:
+        tied = set(self.copies) | set(self.copies.values())
+        for strategy in self.strategies.values():
+            if hasattr(strategy, "keep_full_grads"):  # ZeRO-1/2: the tied sum needs whole gradients
+                strategy.keep_full_grads = tied
         optimizers = [self.strategies[int(k)].build_optimizer(m, cfg) for k, m in stages.items()]
         self.optimizer = _ParamGroups(optimizers)
         self._group_fqns = self._whole_model_groups()
@@ -77,7 +81,7 @@ class PipelineDataParallel:
         """
         mine = []
         for index, strategy in self.strategies.items():
-            names = {id(p): n for n, p in strategy.model.named_parameters()}
+            names = {id(p): n for n, p in strategy.named_optimizer_params()}
             mine.append((index, [[names[id(p)] for p in g["params"] if names[id(p)] not in self.copies]
                                  for g in strategy.optimizer.param_groups]))
         everyone: list = [None] * dist.get_world_size(self.pp_group)

@@ -88,9 +88,6 @@ def plan_from_config(cfg: Config, dp: int, embedding: tuple[str, ...] = EMBEDDIN
         if p.pp_split:
             raise ConfigError("parallel.pp_split only applies with parallel.pp > 1; remove it or raise pp")
         return None
-    if p.zero in (1, 2):
-        raise ConfigError(f"parallel.zero = {p.zero} does not compose with parallel.pp > 1 yet; "
-                          f"use parallel.zero = 0 (replicas) or 3 (sharded parameters)")
     local = t.global_batch_size // (t.micro_batch_size * dp)
     return plan_pipeline(p.pp, p.pp_schedule, p.pp_virtual_stages, p.pp_split, cfg.model.n_layers,
                          p.pp_microbatches, local, embedding, head)

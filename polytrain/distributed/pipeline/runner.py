@@ -42,16 +42,17 @@ class PipelineRunner:
 
     def __init__(self, plan: PipelinePlan, modules: nn.ModuleDict, pp_rank: int, group, device: torch.device,
                  micro_batch_size: int, seq_len: int, hidden_shape: tuple[int, ...],
-                 logits_shape: tuple[int, ...], after_backward: Callable[[], None] | None = None):
+                 logits_shape: tuple[int, ...], after_backward: Callable[[], None] | None = None,
+                 activation_dtype: torch.dtype = torch.float32):
         self.plan, self.device, self.pp_rank, self.group = plan, device, pp_rank, group
-        self.hidden_shape = hidden_shape
+        self.hidden_shape, self.activation_dtype = hidden_shape, activation_dtype
         self.after_backward = after_backward  # once per step, e.g. summing a tied weight's two gradients
         self.modules = {int(k): m for k, m in modules.items()}
         self.stage_ids = sorted(self.modules)
         self.has_first = 0 in self.stage_ids
         self.has_last = plan.num_stages - 1 in self.stage_ids
         self.stages = pipeline_stages(self.modules, plan, group, device, micro_batch_size, seq_len,
-                                      hidden_shape, logits_shape)  # torch PipelineStages, by stage index
+                                      hidden_shape, logits_shape, activation_dtype)  # by stage index
         cls = SCHEDULE_CLASSES[plan.schedule]
         # scale_grads=False: _stage_loss already divides by the step's micro-batch count,
         # which also stays right when a step takes several pipeline runs.
@@ -115,7 +116,7 @@ class PipelineRunner:
                     elif index - 1 in self.modules:
                         x = handed.pop(mb)
                     else:
-                        x = torch.empty(self.hidden_shape, device=self.device)  # (mbs, T, dim)
+                        x = torch.empty(self.hidden_shape, dtype=self.activation_dtype, device=self.device)
                         dist.recv(x, src=self._peer(index - 1), group=self.group)
                     y = self.modules[index](x)
                     if index == last:

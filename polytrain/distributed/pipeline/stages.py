@@ -66,16 +66,18 @@ def run_under(module: nn.Module, context: Callable[[], ContextManager]) -> None:
 
 def pipeline_stages(modules: dict[int, nn.Module], plan: PipelinePlan, group, device: torch.device,
                     micro_batch_size: int, seq_len: int, hidden_shape: tuple[int, ...],
-                    logits_shape: tuple[int, ...]) -> list[PipelineStage]:
+                    logits_shape: tuple[int, ...],
+                    activation_dtype: torch.dtype = torch.float32) -> list[PipelineStage]:
     """torch PipelineStages for this rank's `modules` {global stage index: module}, with static shapes.
 
     Giving every stage its input and output shapes up front (per micro-batch: tokens
     (mbs, T) int64 into the first stage, the residual stream `hidden_shape` in fp32
     between stages, `logits_shape` out of the last) skips torch's shape inference,
     which would run the stage once on fake data: parallel layers whose collectives
-    cannot run there (tensor parallelism) would break it. The residual stream stays
-    fp32 under bf16/fp16 autocast: blocks add their low-precision outputs to an fp32
-    stream, and RMSNorm returns its input's dtype.
+    cannot run there (tensor parallelism) would break it. `activation_dtype` is the
+    residual stream's and the logits': fp32 under bf16/fp16 autocast with fp32 weights
+    (blocks add their low-precision outputs to an fp32 stream, and RMSNorm returns its
+    input's dtype), 16-bit with 16-bit weights, whose embedding starts a 16-bit stream.
     """
     def meta(shape, dtype):
         # requires_grad marks what carries a gradient back: torch derives the
@@ -85,8 +87,8 @@ def pipeline_stages(modules: dict[int, nn.Module], plan: PipelinePlan, group, de
     stages = []
     for index, module in sorted(modules.items()):
         first, last = index == 0, index == plan.num_stages - 1
-        inputs = meta((micro_batch_size, seq_len), torch.long) if first else meta(hidden_shape, torch.float32)
-        outputs = meta(logits_shape, torch.float32) if last else meta(hidden_shape, torch.float32)
+        inputs = meta((micro_batch_size, seq_len), torch.long) if first else meta(hidden_shape, activation_dtype)
+        outputs = meta(logits_shape, activation_dtype) if last else meta(hidden_shape, activation_dtype)
         stages.append(PipelineStage(module, index, plan.num_stages, device, input_args=inputs,
                                     output_args=outputs, group=group))
     return stages

@@ -42,18 +42,14 @@ def valid_tp_degrees(m: ModelConfig, shared: bool = True) -> list[int]:
 
 
 def check_tensor_parallel(cfg: Config, dp: int, rules: SplitRules) -> None:
-    """Fail unless parallel.tp / parallel.sp / parallel.tp_mode fit the model, the sequence, the
-    ZeRO stage and (grid modes) the `dp` data-parallel ranks."""
+    """Fail unless parallel.tp / parallel.sp / parallel.tp_mode fit the model, the sequence and
+    (grid modes) the ZeRO stage and the `dp` data-parallel ranks."""
     p, m = cfg.parallel, cfg.model
     if p.tp == 1:
         return
     if p.tp_mode != "1d":
         check_grid(cfg, dp, rules)
         return
-    if p.zero in (1, 2):
-        raise ConfigError(
-            f"parallel.zero = {p.zero} with parallel.tp = {p.tp} is not supported yet (ZeRO-1/2 "
-            f"shard replicated parameters, not tensor-parallel shards); use parallel.zero = 0 or 3")
     problems = []
     if m.n_heads % p.tp:
         problems.append(f"model.n_heads = {m.n_heads}")
