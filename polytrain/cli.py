@@ -7,6 +7,7 @@
     polytrain consolidate CHECKPOINT_DIR OUT [--dtype fp32|bf16|fp16] [--format safetensors|pt]
     polytrain convert HF_DIR OUT_DIR | polytrain convert --to hf RUN_OR_CHECKPOINT OUT_DIR [--dtype ...]
     polytrain run [--nproc N] SCRIPT [ARGS...]    (or -m MODULE [ARGS...]): a CUDA program, unchanged
+    polytrain plan --devices N [--device H100|cpu|...] [--nodes K] [--config FILE] [--json] [--section.key VALUE ...]
 
 Errors a user can fix print one line starting with "error:" and exit with status 2.
 """
@@ -183,7 +184,47 @@ def _convert(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "generate": _generate, "prepare": _prepare, "consolidate": _consolidate,
+def _plan(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="polytrain plan",
+        description="Rank the parallel layouts of a cluster for a config: peak memory per rank and step "
+                    "time of each, best first. Layout keys the config sets (e.g. --parallel.tp 2) stay fixed.",
+        epilog="Any --section.key VALUE after the options overrides the config, as for polytrain train.")
+    parser.add_argument("--config", help="a TOML config (default: the built-in defaults)")
+    parser.add_argument("--devices", type=int, required=True, help="number of devices (the world size)")
+    parser.add_argument("--device", default="cpu", help="H100, H200, A100, A100-40GB, MI300X, or cpu "
+                                                        "(this machine, measured); default cpu")
+    parser.add_argument("--device-memory", help="memory per device, e.g. 80GB (binary units)")
+    parser.add_argument("--device-flops", help="peak matmul FLOP/s per device, e.g. 989T")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes the devices are spread over")
+    parser.add_argument("--link", help="bandwidth per device: 'nvlink', '450GB/s' (in a node) or "
+                                       "'intra=450GB/s,inter=400Gb/s'")
+    parser.add_argument("--headroom", type=float, default=0.05, help="share of memory kept free (default 0.05)")
+    parser.add_argument("--top", type=int, default=10, help="layouts to show (0 = all that fit)")
+    parser.add_argument("--allow-cp", action="store_true",
+                        help="also propose context parallelism when this config has no parallel.cp")
+    parser.add_argument("--json", action="store_true", help="print a JSON list, best first")
+    args, overrides = parser.parse_known_args(argv)
+
+    from polytrain.config import load_config
+    from polytrain.plan import Cluster, device_spec, model_shape, plan, with_overrides
+    from polytrain.plan.report import format_json, format_table
+
+    cfg = load_config(args.config, overrides)
+    cluster = with_overrides(Cluster(device_spec(args.device), args.devices, args.nodes),
+                             memory=args.device_memory, link=args.link, flops=args.device_flops)
+    estimates = plan(cfg, cluster, headroom=args.headroom, allow_cp=args.allow_cp)
+    if not estimates:
+        raise PolytrainError(f"no layout of {args.devices} devices passes start-up's checks for this config "
+                             f"(the layout keys it fixes, the global batch, the model's head counts)")
+    if args.json:
+        print(format_json(estimates, args.top))
+    else:
+        print(format_table(cfg, cluster, estimates, args.top, model_shape(cfg).num_params, args.config))
+    return 0
+
+
+COMMANDS = {"train": _train, "plan": _plan, "generate": _generate, "prepare": _prepare, "consolidate": _consolidate,
             "convert": _convert, "chat": _chat, "run": _run}
 
 

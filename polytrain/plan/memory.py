@@ -1,0 +1,247 @@
+"""Peak memory of one rank for a layout: model states, activations, the loss, buffers, as polytrain holds them.
+
+Model states (P = this rank's parameters after tensor and pipeline splitting, N = dp;
+weights and gradients are fp32 in every precision today, bf16/fp16 autocast the matmuls;
+Adam keeps 8 bytes a parameter, SGD/LARS momentum 4):
+
+    zero 0   4P weights + 4P gradients + 8P Adam                 (replicas, FSDP2)
+    zero 1   4P weights + 4P gradients + (4 + 8)P/N masters and Adam + 4P/N gradient shard
+    zero 2   4P weights + 4P/N gradient shard + (4 + 8)P/N; full gradients bucket by bucket
+    zero 3   (4 + 4 + 8)P/N, plus the units FSDP2 has gathered: the root (embeddings, final
+             norm, head) for the whole step, the last block, the block in use and the
+             prefetched one (a pipeline stage keeps all of its blocks gathered)
+
+Activations: activations.py per block and token, times the micro-batches a pipeline
+rank holds at once (1F1B: pp - rank; GPipe: all; interleaved: Megatron's factor
+1 + (pp - 1) / (pp v); ZB-V: pp), plus the loss: three (tokens x vocab/tp) fp32 buffers
+and the 16-bit logits for the plain loss, one chunk of them for the chunked loss
+(which makes the head's gradient and the hidden states' gradient during forward).
+
+The peak is the larger of two moments: the end of a micro-batch's forward (all its
+activations, the loss, gradients kept from earlier micro-batches) and the optimizer
+step (gradients whole, plus the update's temporaries: one parameter-sized buffer for
+foreach AdamW and for LAMB/LARS, which make every update before any trust ratio).
+On top comes the device's `context_bytes` (runtime, communicators, allocator slack).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from polytrain.config import Config
+from polytrain.distributed.pipeline.plan import PipelinePlan, plan_pipeline
+from polytrain.models import ARCHITECTURES
+from polytrain.plan.activations import (
+    FP32,
+    BlockDims,
+    autocast_weight_bytes,
+    block_bytes_per_token,
+    block_family,
+    head_bytes_per_token,
+)
+from polytrain.plan.devices import Cluster
+from polytrain.plan.layouts import Layout
+from polytrain.plan.shapes import ModelShape, tp_split
+
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "lamb": 8, "lars": 4, "sgd": 4}
+ALL_AT_ONCE_UPDATES = ("lamb", "lars")  # trust ratios need every update before applying any
+CHUNKED_LOSS_MIN_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on the fullest rank at its peak, by part; `phase` says which moment that is."""
+
+    parts: dict[str, float]
+    phase: str
+    pipeline_rank: int = 0
+    host_bytes_per_node: float = 0.0
+    """Offloaded state on the host (parallel.offload = cpu), per node."""
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+
+def compute_bytes(precision: str) -> int:
+    """Bytes of an activation element: fp32 training keeps 4, autocast's matmuls produce 2."""
+    return FP32 if precision == "fp32" else 2
+
+
+def pipeline_plan(cfg: Config, shape: ModelShape, layout: Layout) -> PipelinePlan | None:
+    """Which units each pipeline rank holds (pipeline/plan.py's balanced split), or None without pp."""
+    if layout.pp == 1:
+        return None
+    arch = ARCHITECTURES[cfg.model.arch]
+    return plan_pipeline(layout.pp, layout.pp_schedule, layout.pp_virtual_stages, "", cfg.model.n_layers,
+                         0, layout.accum, arch.embedding_units, arch.head_units)
+
+
+def rank_units(cfg: Config, shape: ModelShape, plan: PipelinePlan | None, pp_rank: int) -> list[str]:
+    """The units pipeline rank `pp_rank` holds (all of them without pp)."""
+    if plan is None:
+        return list(shape.units)
+    return [u for s in plan.stages_of_rank(pp_rank) for u in plan.stages[s]]
+
+
+def in_flight(layout: Layout, pp_rank: int) -> float:
+    """Micro-batches whose activations a pipeline rank holds at its peak."""
+    m = layout.accum  # one pipeline run per step: all of the rank's micro-batches
+    pp = layout.pp
+    if pp == 1:
+        return 1
+    if layout.pp_schedule == "gpipe":
+        return m
+    if layout.pp_schedule == "interleaved":
+        v = layout.pp_virtual_stages
+        return min(m, (pp - pp_rank) * (1 + (pp - 1) / (pp * v)))
+    if layout.pp_schedule == "zero_bubble":
+        return min(m, pp)
+    return min(m, pp - pp_rank)
+
+
+def estimate_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Cluster) -> MemoryEstimate:
+    """The peak of the fullest rank (over pipeline ranks) for `layout` (see the module docstring)."""
+    plan = pipeline_plan(cfg, shape, layout)
+    best = None
+    for pp_rank in range(layout.pp):
+        estimate = _rank_memory(cfg, shape, layout, cluster, plan, pp_rank)
+        if best is None or estimate.total > best.total:
+            best = estimate
+    return best
+
+
+def _rank_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Cluster,
+                 plan: PipelinePlan | None, pp_rank: int) -> MemoryEstimate:
+    m, t = cfg.model, cfg.train
+    device = cluster.device
+    tp, split = layout.tp, tp_split(layout.tp, layout.tp_mode, layout.tp_depth)
+    units = rank_units(cfg, shape, plan, pp_rank)
+    first, last = units[0] == ARCHITECTURES[m.arch].embedding_units[0], "output" in units
+    local = {u: shape.unit_params_per_rank(u, tp, layout.tp_mode, layout.tp_depth) for u in units}
+    if last and m.tie_embeddings and layout.pp > 1 and not first:  # the head's copy of the table
+        local["output"] = shape.units["tok_embeddings"].matrices / split
+    params = sum(local.values())
+    blocks = [u for u in units if u.startswith("layers.")]
+    block = shape.block_params_per_rank(tp, layout.tp_mode, layout.tp_depth)
+    root = params - sum(local[u] for u in blocks)  # embeddings, final norm, head
+    n, zero = layout.dp, layout.zero
+    opt = OPTIMIZER_STATE_BYTES[t.optimizer] if t.optimizer != "sgd" or t.momentum else 0
+
+    # ----- model states, and the gradients as they stand at each moment -----
+    parts: dict[str, float] = {}
+    shard = n if zero in (1, 2, 3) else 1
+    if zero == 3:
+        parts["weights (shards)"] = FP32 * params / n
+        parts["gathered weights"] = FP32 * (params if layout.pp > 1 else
+                                            root + min(len(blocks), 3) * block)
+    else:
+        parts["weights"] = FP32 * params
+        if zero == 0 and n > 1:  # FSDP2 gathers replicas into buffers of their own, kept for the step
+            parts["gathered weights"] = FP32 * params
+    if zero in (1, 2):
+        parts["master weights"] = FP32 * params / n
+    state_bytes = opt * params / shard
+    host = 0.0
+    if layout.offload != "none":  # masters, optimizer state and gradient shards leave the device
+        host = (parts.pop("master weights") + state_bytes + FP32 * params / n) * cluster.per_node
+        state_bytes = 0.0
+    else:
+        parts["optimizer state"] = state_bytes
+    whole_grads = FP32 * params
+    if zero == 0:
+        grads_kept = whole_grads if layout.accum > 1 else 0.0
+        grads_final = whole_grads
+    elif zero == 1:
+        grads_kept = whole_grads if layout.accum > 1 else 0.0
+        grads_final = FP32 * params / n  # full gradients are freed as their buckets reduce
+    elif zero == 2:
+        grads_kept = grads_final = FP32 * params / n
+    else:
+        grads_kept = FP32 * params / n if layout.accum > 1 else 0.0
+        grads_final = FP32 * params / n
+    if layout.offload != "none" and zero in (1, 2):
+        grads_final = whole_grads if zero == 1 else 0.0
+        grads_kept = grads_kept if zero == 1 else 0.0
+
+    # ----- activations of the micro-batches in flight, and the loss -----
+    cb = compute_bytes(t.precision)
+    family = block_family(m.arch)
+    dims = BlockDims(m.dim, m.ffn_dim, m.n_heads, shape.head_dim)
+    tokens = layout.micro_batch_size * cfg.data.seq_len / layout.cp
+    grid = layout.tp_mode != "1d" and tp > 1
+    act_tp, act_sp = (1, False) if grid else (tp, layout.sp)
+    per_block = block_bytes_per_token(family, dims, cb, act_tp, act_sp, layout.activation_checkpoint)
+    per_token = len(blocks) * per_block
+    if last:
+        per_token += head_bytes_per_token(family, m.dim, cb, act_tp, act_sp)
+    if grid:  # the grids split every activation tp ways (sequences and features)
+        per_token /= tp
+    block_matrices = block - shape.units["layers.0"].vectors
+    copies = autocast_weight_bytes(block_matrices, cb, layout.activation_checkpoint) * len(blocks)
+    flight = in_flight(layout, pp_rank)
+    activations = flight * (tokens * per_token + copies)
+    if layout.activation_checkpoint == "full" and blocks:  # one block recomputed in backward
+        activations += tokens * block_bytes_per_token(family, dims, cb, act_tp, act_sp) / (tp if grid else 1)
+        activations += autocast_weight_bytes(block_matrices, cb, "none")
+    loss = _loss_bytes(cfg, layout, tokens, cb, flight if last else 0) if last else 0.0
+    head_grad = 0.0
+    if last and _chunked(cfg, layout):  # made in forward: the head's gradient and the hidden states'
+        head_grad = FP32 * (m.vocab_size * m.dim + tokens * m.dim)
+
+    # ----- the two moments -----
+    fixed = dict(parts)
+    forward = {**fixed, "gradients": grads_kept + head_grad, "activations": activations, "loss": loss}
+    if zero == 3:
+        forward["gradients (gathering)"] = FP32 * (root + 2 * block)  # unsharded, before reduce-scatter
+    largest = shape.largest_tensor / split / shard
+    step_temp = _update_temporaries(t.optimizer, params / shard, largest, cluster, layout)
+    step = {**fixed, "gradients": grads_final if layout.offload == "none" else 0.0,
+            "update temporaries": step_temp}
+    if "gathered weights" in step:
+        step["gathered weights"] = 0.0  # resharded by the time the optimizer runs
+    if zero in (1, 2):  # the updated masters are all-gathered into the weights bucket by bucket
+        step["gather buckets"] = 2 * cfg.parallel.reduce_bucket_mb * 2**20
+    pick, phase = (forward, "forward/backward") if sum(forward.values()) >= sum(step.values()) else (
+        step, "optimizer step")
+    out = {k: v for k, v in pick.items() if v}
+    out["runtime context"] = device.context_bytes
+    return MemoryEstimate(out, phase, pp_rank, host)
+
+
+def chunk_tokens(tokens: float, dim: int, vocab_size: int) -> float:
+    """Tokens per chunk of the chunked loss: logits about the size of the hidden states, at least 256
+    (train/chunked_loss.py's rule; tests/unit/test_plan.py holds the two equal)."""
+    return max(CHUNKED_LOSS_MIN_TOKENS, -(-tokens * dim // vocab_size))
+
+
+def _update_temporaries(optimizer: str, opt_params: float, largest: float, cluster: Cluster,
+                        layout: Layout) -> float:
+    """Buffers the optimizer step allocates: one parameter-sized fp32 buffer when every tensor's
+    update exists at once (LAMB/LARS; foreach AdamW: on accelerators, and over FSDP2's DTensors),
+    else a few of the largest tensor's size (torch's per-tensor loop on a CPU)."""
+    fsdp_dtensors = layout.zero in (0, 3) and (layout.dp > 1 or layout.tp > 1)
+    foreach = not cluster.device.cores_per_node or fsdp_dtensors
+    if optimizer in ALL_AT_ONCE_UPDATES or (optimizer == "adamw" and foreach):
+        return FP32 * opt_params
+    return 2 * FP32 * largest
+
+
+def _chunked(cfg: Config, layout: Layout) -> bool:
+    """Whether the trainer swaps in the chunked loss head (train.chunked_loss, without tp or pp)."""
+    return cfg.train.chunked_loss and layout.tp == 1 and layout.pp == 1
+
+
+def _loss_bytes(cfg: Config, layout: Layout, tokens: float, cb: int, flight: float) -> float:
+    """The loss's peak: a chunk of logits for the chunked loss, else (tokens x vocab/tp) buffers."""
+    m = cfg.model
+    if _chunked(cfg, layout):
+        chunk = min(tokens, chunk_tokens(tokens, m.dim, m.vocab_size))
+        low = m.vocab_size * m.dim * cb if cb < FP32 else 0.0  # the weight cast once per call
+        return chunk * m.vocab_size * (2 * FP32 + cb) + low
+    vocab = m.vocab_size / layout.tp
+    saved = tokens * vocab * FP32  # log-softmax output, kept per micro-batch in flight
+    # the logits in the head's dtype, an fp32 copy of them (autocast), and backward's two gradients
+    working = tokens * vocab * (cb + (FP32 if cb < FP32 else 0) + 2 * FP32)
+    return max(flight, 1) * saved + working
