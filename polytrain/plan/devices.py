@@ -143,7 +143,7 @@ def parse_size(text: str, what: str = "--device-memory") -> float:
 
 def parse_rate(text: str, what: str) -> float:
     """'450GB/s' (bytes), '400Gb/s' (bits) or a plain number of bytes/s -> bytes/s (decimal units)."""
-    match = re.match(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)([bB]?)(?:/s|ps)?\s*$", str(text))
+    match = re.match(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)([bB]?)(?:/s|ps)?\s*$", str(text))
     if not match:
         raise ConfigError(f"{what} = {text!r} is not a bandwidth; write e.g. 450GB/s or 400Gb/s")
     value = float(match.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[match.group(2).lower()]

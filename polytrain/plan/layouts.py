@@ -14,7 +14,6 @@ what-if plans).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -111,20 +110,15 @@ def has_cp_keys(cfg: Config) -> bool:
 
 
 def apply_layout(cfg: Config, layout: Layout) -> Config:
-    """A copy of `cfg` with the layout's keys set (cp keys only where the config has them)."""
-    out = copy.deepcopy(cfg)
-    p, t = out.parallel, out.train
-    p.nproc, p.dp, p.zero, p.tp, p.sp, p.pp = layout.world, layout.dp, layout.zero, layout.tp, layout.sp, layout.pp
-    p.tp_mode, p.tp_depth = layout.tp_mode, layout.tp_depth
-    p.pp_schedule, p.pp_virtual_stages = layout.pp_schedule, layout.pp_virtual_stages
-    p.pp_microbatches = 0
-    p.zero_shard = -1
-    p.offload = layout.offload
-    if has_cp_keys(out):
-        p.cp, p.cp_mode = layout.cp, layout.cp_mode
-    t.micro_batch_size = layout.micro_batch_size
-    t.activation_checkpoint = layout.activation_checkpoint
-    return out
+    """`cfg` with the layout's keys set (cp keys only where the config has them); `cfg` is left alone."""
+    cp = {"cp": layout.cp, "cp_mode": layout.cp_mode} if has_cp_keys(cfg) else {}
+    parallel = dataclasses.replace(
+        cfg.parallel, nproc=layout.world, dp=layout.dp, zero=layout.zero, tp=layout.tp, sp=layout.sp,
+        pp=layout.pp, tp_mode=layout.tp_mode, tp_depth=layout.tp_depth, pp_schedule=layout.pp_schedule,
+        pp_virtual_stages=layout.pp_virtual_stages, pp_microbatches=0, zero_shard=-1, offload=layout.offload, **cp)
+    train = dataclasses.replace(cfg.train, micro_batch_size=layout.micro_batch_size,
+                                activation_checkpoint=layout.activation_checkpoint)
+    return dataclasses.replace(cfg, parallel=parallel, train=train)
 
 
 def accepted(cfg: Config, layout: Layout) -> bool:
@@ -199,10 +193,9 @@ def _with_rest(cfg, space, checked, gbs, world, dp, tp, tp_mode, tp_depth, cp, p
                         base = Layout(world, dp, zero, tp, tp_mode, tp_depth, sp, pp, schedule, 2, cp, cp_mode,
                                       mbs, accum)
                         # Recomputation and offload do not change what start-up checks.
-                        key = dataclasses.astuple(base)
-                        if key not in checked:
-                            checked[key] = accepted(cfg, base)
-                        if not checked[key]:
+                        if base not in checked:
+                            checked[base] = accepted(cfg, base)
+                        if not checked[base]:
                             continue
                         for recompute in space.recompute:
                             for offload in offloads:

@@ -13,9 +13,11 @@ Adam keeps 8 bytes a parameter, SGD/LARS momentum 4):
 
 Activations: activations.py per block and token, times the micro-batches a pipeline
 rank holds at once (1F1B: pp - rank; GPipe: all; interleaved: Megatron's factor
-1 + (pp - 1) / (pp v); ZB-V: pp), plus the loss: three (tokens x vocab/tp) fp32 buffers
-and the 16-bit logits for the plain loss, one chunk of them for the chunked loss
-(which makes the head's gradient and the hidden states' gradient during forward).
+1 + (pp - 1) / (pp v); ZB-V: pp), each with its stage output (the schedule keeps it for
+the backward: hidden states, or the last stage's logits), plus the loss: three
+(tokens x vocab/tp) fp32 buffers and the 16-bit logits for the plain loss, one chunk of
+them for the chunked loss (which makes the head's gradient and the hidden states'
+gradient during forward).
 
 The peak is the larger of two moments: the end of a micro-batch's forward (all its
 activations, the loss, gradients kept from earlier micro-batches) and the optimizer
@@ -26,6 +28,7 @@ On top comes the device's `context_bytes` (runtime, communicators, allocator sla
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from polytrain.config import Config
@@ -55,6 +58,8 @@ class MemoryEstimate:
     parts: dict[str, float]
     phase: str
     pipeline_rank: int = 0
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Both moments' parts (the runtime context aside): 'forward/backward' and 'optimizer step'."""
     host_bytes_per_node: float = 0.0
     """Offloaded state on the host (parallel.offload = cpu), per node."""
     notes: tuple[str, ...] = field(default=())
@@ -74,8 +79,13 @@ def pipeline_plan(cfg: Config, shape: ModelShape, layout: Layout) -> PipelinePla
     if layout.pp == 1:
         return None
     arch = ARCHITECTURES[cfg.model.arch]
-    return plan_pipeline(layout.pp, layout.pp_schedule, layout.pp_virtual_stages, "", cfg.model.n_layers,
-                         0, layout.accum, arch.embedding_units, arch.head_units)
+    return _plan_pipeline(layout.pp, layout.pp_schedule, layout.pp_virtual_stages, cfg.model.n_layers,
+                          layout.accum, arch.embedding_units, arch.head_units)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_pipeline(pp, schedule, virtual, n_layers, accum, embedding, head) -> PipelinePlan:
+    return plan_pipeline(pp, schedule, virtual, "", n_layers, 0, accum, embedding, head)
 
 
 def rank_units(cfg: Config, shape: ModelShape, plan: PipelinePlan | None, pp_rank: int) -> list[str]:
@@ -105,7 +115,9 @@ def estimate_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Clu
     """The peak of the fullest rank (over pipeline ranks) for `layout` (see the module docstring)."""
     plan = pipeline_plan(cfg, shape, layout)
     best = None
-    for pp_rank in range(layout.pp):
+    # The first pipeline rank holds the most micro-batches (and the embedding, and the extra
+    # blocks of an uneven split), the last the head and the loss: one of them is the fullest.
+    for pp_rank in sorted({0, layout.pp - 1}):
         estimate = _rank_memory(cfg, shape, layout, cluster, plan, pp_rank)
         if best is None or estimate.total > best.total:
             best = estimate
@@ -182,6 +194,9 @@ def _rank_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Cluste
     copies = autocast_weight_bytes(block_matrices, cb, layout.activation_checkpoint) * len(blocks)
     flight = in_flight(layout, pp_rank)
     activations = flight * (tokens * per_token + copies)
+    if layout.pp > 1:  # the schedule keeps each in-flight micro-batch's stage output for its backward
+        width = m.vocab_size / tp * cb if last else m.dim * FP32 / (tp if layout.sp else 1)
+        activations += flight * tokens * width
     if layout.activation_checkpoint == "full" and blocks:  # one block recomputed in backward
         activations += tokens * block_bytes_per_token(family, dims, cb, act_tp, act_sp) / (tp if grid else 1)
         activations += autocast_weight_bytes(block_matrices, cb, "none")
@@ -203,11 +218,11 @@ def _rank_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Cluste
         step["gathered weights"] = 0.0  # resharded by the time the optimizer runs
     if zero in (1, 2):  # the updated masters are all-gathered into the weights bucket by bucket
         step["gather buckets"] = 2 * cfg.parallel.reduce_bucket_mb * 2**20
-    pick, phase = (forward, "forward/backward") if sum(forward.values()) >= sum(step.values()) else (
-        step, "optimizer step")
-    out = {k: v for k, v in pick.items() if v}
+    phases = {"forward/backward": forward, "optimizer step": step}
+    phase = max(phases, key=lambda name: sum(phases[name].values()))
+    out = {k: v for k, v in phases[phase].items() if v}
     out["runtime context"] = device.context_bytes
-    return MemoryEstimate(out, phase, pp_rank, host)
+    return MemoryEstimate(out, phase, pp_rank, phases=phases, host_bytes_per_node=host)
 
 
 def chunk_tokens(tokens: float, dim: int, vocab_size: int) -> float:
