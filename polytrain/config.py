@@ -128,6 +128,12 @@ class TrainConfig:
     """Sequences per forward/backward on one rank."""
     global_batch_size: int = 16
     """Sequences per optimizer step over all ranks; a multiple of micro_batch_size x dp."""
+    batch_rampup_start: int = 0
+    """Batch-size ramp-up (Megatron's --rampup-batch-size): the first global batch; 0 = no ramp-up."""
+    batch_rampup_increment: int = 0
+    """Ramp-up: sequences the global batch grows by at each increment, up to global_batch_size."""
+    batch_rampup_samples: int = 0
+    """Ramp-up: samples over which the global batch grows from batch_rampup_start to global_batch_size."""
     lr: float = 3e-3
     """Peak learning rate, reached after warmup_steps."""
     min_lr: float = 3e-4
@@ -425,6 +431,9 @@ def validate(cfg: Config) -> None:
             f"train.global_batch_size = {t.global_batch_size} must be a multiple of "
             f"train.micro_batch_size = {t.micro_batch_size}; try {_nearest_multiple(t.global_batch_size, t.micro_batch_size)}"
         )
+    from polytrain.data.batch_schedule import BatchSchedule
+
+    BatchSchedule.from_config(t).validate(t.micro_batch_size)
     if not 0 < cfg.data.mask_fraction < 1 or cfg.data.mean_span_length < 1:
         raise ConfigError(f"data.mask_fraction = {cfg.data.mask_fraction} must be in (0, 1) and "
                           f"data.mean_span_length = {cfg.data.mean_span_length} at least 1")

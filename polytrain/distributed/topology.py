@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from polytrain.config import Config, ConfigError
+from polytrain.data.batch_schedule import check_batch_schedule
 from polytrain.distributed.offload import check_nvme_path
 from polytrain.distributed.pipeline.plan import plan_from_config
 from polytrain.distributed.tensor_parallel.checks import check_tensor_parallel
@@ -122,7 +123,8 @@ class ParallelDims:
                 f"train.micro_batch_size x dp = {t.micro_batch_size} x {dp} = {per_step}; "
                 f"set it to {' or '.join(map(str, options))}, or lower train.micro_batch_size"
             )
-        plan_from_config(cfg, dp)  # the pipeline keys against the model and batch
+        pipeline = plan_from_config(cfg, dp)  # the pipeline keys against the model and batch
+        check_batch_schedule(cfg, dp, pipeline)
         return cls(world_size=world_size, dp_replicate=dp // shard, dp_shard=shard, zero=p.zero,
                    tp=p.tp, pp=p.pp, sp=p.sp, tp_mode=p.tp_mode, tp_depth=p.tp_depth)
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from polytrain.backend import get_accelerator
 from polytrain.config import Config, to_toml
 from polytrain.data import GlobalBatchSampler, TokenDataset, prepare_corpus, val_batches
+from polytrain.data.batch_schedule import BatchSchedule
 from polytrain.data.objectives import build_objective, reserved_ids
 from polytrain.distributed.activation_checkpoint import apply_activation_checkpointing
 from polytrain.distributed.data_parallel import build_data_parallel
@@ -93,7 +94,8 @@ class Trainer:
             self.val_data, cfg.train.micro_batch_size, cfg.run.eval_batches * self.accum,
             self.dp_rank, self.dp_size,
         )
-        self.tokens_per_step = cfg.train.global_batch_size * seq_len
+        # The global batch of each step, by samples consumed (constant unless it ramps up).
+        self.batch_schedule = BatchSchedule.from_config(cfg.train)
         self.scaler = self._loss_scaler()
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self._rng_state, self._set_rng_state)
         self.step = 0
@@ -207,6 +209,10 @@ class Trainer:
                 print(f"initialised from the weights of {path}", flush=True)
             return 0
         self.sampler.load_state_dict(state.sampler)
+        saved_batch = state.sampler["global_batch_size"]
+        if saved_batch != self.sampler.global_batch_size and self.world.is_main:
+            print(f"the checkpoint's global batch was {saved_batch}, now {self.sampler.global_batch_size}: "
+                  f"the data continues at sample {self.sampler.consumed}", flush=True)
         if self.scaler is not None and state.loss_scaler is not None:
             self.scaler.load_state_dict(state.loss_scaler)
         if self.world.is_main:
@@ -257,10 +263,11 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the global batch; returns the step's loss, grad norm and lr."""
         self.model.train()
-        local = self.sampler.next_batch()  # this rank's global_batch / dp sample indices
+        size = self.batch_schedule.at(self.sampler.consumed)
+        local = self.sampler.next_batch(size)  # this rank's size / dp sample indices
         mbs = self.cfg.train.micro_batch_size
         loss_value = self._forward_backward([local[i:i + mbs] for i in range(0, len(local), mbs)])
-        stats = {"loss": loss_value}
+        stats = {"loss": loss_value, "global_batch": size}
         if self.scaler is not None:
             stats["loss_scale"] = self.scaler.scale
             # An fp16 overflow on any rank skips the step everywhere and lowers the scale.
@@ -319,7 +326,7 @@ class Trainer:
             print(self.describe(), flush=True)
         bar = ProgressBar(cfg.run.steps, self.step, enabled=main)
         start = last_log_time = last_plot = time.perf_counter()
-        last_log_step = self.step
+        last_log_tokens = self.sampler.consumed * cfg.data.seq_len
         first_val = last_val = None
         saved_step = self.step if self.resume_from else None
         if self.step == 0:
@@ -332,10 +339,11 @@ class Trainer:
                 if step % cfg.run.log_every == 0 or step == cfg.run.steps:
                     self.acc.synchronize()
                     now = time.perf_counter()
-                    tokens_per_s = (step - last_log_step) * self.tokens_per_step / (now - last_log_time)
-                    last_log_time, last_log_step = now, step
+                    tokens = self.sampler.consumed * cfg.data.seq_len
+                    tokens_per_s = (tokens - last_log_tokens) / (now - last_log_time)
+                    last_log_time, last_log_tokens = now, tokens
                     mem = self.acc.memory_stats()
-                    row = {"step": step, **stats, "tokens": step * self.tokens_per_step,
+                    row = {"step": step, **stats, "tokens": tokens,
                            "tokens_per_s": tokens_per_s, "mfu": self._mfu(tokens_per_s),
                            "mem_gb": mem["allocated_gb"], "peak_mem_gb": mem["peak_gb"],
                            "time": now - start}
@@ -392,7 +400,9 @@ class Trainer:
         return (f"model {m.arch} {m.size}: {self.num_params / 1e6:.1f}M parameters | {layout} | "
                 f"{self.acc.describe()}\n"
                 f"global batch {t.global_batch_size} x {self.cfg.data.seq_len} tokens "
-                f"({t.micro_batch_size} per micro-batch, {self.accum} accumulation steps) | "
+                f"({t.micro_batch_size} per micro-batch, {self.accum} accumulation steps"
+                + (f"; ramped up from {t.batch_rampup_start} by {t.batch_rampup_increment} over "
+                   f"{t.batch_rampup_samples} samples" if self.batch_schedule.ramps else "") + ") | "
                 f"{self.cfg.run.steps} steps | {self.cfg.train.precision} | run dir {self.run_dir}")
 
     def _mfu(self, tokens_per_s: float) -> float | None:
