@@ -48,6 +48,9 @@ class RunConfig:
     """Tokens generated from a prompt at the end of training (0 = no sample)."""
     tensorboard: bool = False
     """Also write TensorBoard event files to <run dir>/tensorboard."""
+    hang_timeout_s: float = 0.0
+    """Seconds a step may take before the watchdog dumps every rank's stacks and last collectives to
+    <run dir>/hang/ and ends the attempt; 0 = 10x the slowest step so far (at least 60 s; 900 s for the first); < 0 = off."""
 
 
 @dataclass

@@ -32,6 +32,7 @@ from polytrain.distributed.pipeline import PipelineRunner, plan_from_config, run
 from polytrain.distributed.pipeline.tied import COPIES, TiedEmbeddings
 from polytrain.distributed.tensor_parallel import Context, shard_sizes
 from polytrain.distributed.topology import ParallelDims, dp_coordinates
+from polytrain.distributed.watchdog import Watchdog, hang_directory, test_hang_point
 from polytrain.distributed.world import barrier, init_world, max_over_world, mean_over_world
 from polytrain.errors import TrainingDiverged
 from polytrain.inference.generate import generate
@@ -101,6 +102,9 @@ class Trainer:
         self.step = 0
         if self.resume_from is not None:
             self.step = self._load(self.resume_from)
+        # Ranks that wait for each other can hang; one process cannot (nor restart to any avail).
+        self.watchdog = Watchdog(hang_directory(self.run_dir), cfg.run.hang_timeout_s if
+                                 self.world.world_size > 1 else -1.0)
         self.metrics = MetricsLogger(self.run_dir, self.world.is_main, cfg.run.tensorboard,
                                      resume_step=self.step if self.resume_from else None)
 
@@ -263,6 +267,9 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the global batch; returns the step's loss, grad norm and lr."""
         self.model.train()
+        if test_hang_point() == (self.world.rank, self.step + 1):
+            while True:  # the test of the watchdog: this rank never reaches the step's collectives
+                time.sleep(1)
         size = self.batch_schedule.at(self.sampler.consumed)
         local = self.sampler.next_batch(size)  # this rank's size / dp sample indices
         mbs = self.cfg.train.micro_batch_size
@@ -334,7 +341,8 @@ class Trainer:
             self.metrics.log({"step": 0, "val_loss": last_val, "time": 0.0})
         try:
             while self.step < cfg.run.steps:
-                stats = self.train_step()
+                with self.watchdog.watch("step", self.step + 1):
+                    stats = self.train_step()
                 step = self.step
                 if step % cfg.run.log_every == 0 or step == cfg.run.steps:
                     self.acc.synchronize()
@@ -350,11 +358,13 @@ class Trainer:
                     self.metrics.log(row)
                     bar.update(step, stats["loss"], tokens_per_s, row["mfu"], mem["allocated_gb"])
                 if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step != cfg.run.steps:
-                    last_val = self.evaluate()
+                    with self.watchdog.watch("evaluation", step):
+                        last_val = self.evaluate()
                     self.metrics.log({"step": step, "val_loss": last_val, "time": time.perf_counter() - start})
                     bar.write(f"step {step}: val loss {last_val:.4f}")
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-                    self.save()
+                    with self.watchdog.watch("checkpoint", step):
+                        self.save()
                     saved_step = step
                 if main and time.perf_counter() - last_plot > PLOT_INTERVAL_S:
                     plot_loss(self.run_dir)
@@ -383,6 +393,7 @@ class Trainer:
     def close(self) -> None:
         """Release what outlives the loop: offload files, gradient hooks, open metrics files."""
         self.dp.close()
+        self.watchdog.close()
         self.metrics.close()
 
     def describe(self) -> str:
