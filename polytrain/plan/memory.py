@@ -209,7 +209,10 @@ def _rank_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Cluste
     fixed = dict(parts)
     forward = {**fixed, "gradients": grads_kept + head_grad, "activations": activations, "loss": loss}
     if zero == 3:
-        forward["gradients (gathering)"] = FP32 * (root + 2 * block)  # unsharded, before reduce-scatter
+        # Early in backward, a block's unsharded gradients and the next one's, before reduce-scatter.
+        forward["gradients (gathering)"] = FP32 * 2 * block
+    elif zero in (1, 2):  # backward's first bucket is packed for its reduce-scatter while activations live
+        forward["gradient bucket"] = min(cfg.parallel.reduce_bucket_mb * 2**20, whole_grads)
     largest = shape.largest_tensor / split / shard
     step_temp = _update_temporaries(t.optimizer, params / shard, largest, cluster, layout)
     step = {**fixed, "gradients": grads_final if layout.offload == "none" else 0.0,
