@@ -33,6 +33,13 @@ def _train(argv: list[str]) -> int:
         print(help_text())
         return 0
     cfg = config_from_argv(argv)
+    if cfg.parallel.nproc_min and "WORLD_SIZE" not in os.environ:
+        from polytrain.plan.elastic import check_worlds
+        from polytrain.train.elastic_launch import ElasticLauncher
+
+        p = cfg.parallel
+        check_worlds(cfg, p.nproc_min, p.nproc)  # every size the job may shrink to keeps the batch
+        return ElasticLauncher(p.nproc_min, p.nproc, argv, cfg.run_dir, p.max_restarts).run()
     if cfg.parallel.nproc > 1 and "WORLD_SIZE" not in os.environ:
         from polytrain.distributed.topology import ParallelDims
         from polytrain.train.launch import launch_local_workers

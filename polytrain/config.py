@@ -191,7 +191,14 @@ class TrainConfig:
 @dataclass
 class ParallelConfig:
     nproc: int = 1
-    """Local worker processes to start (through torch's elastic launcher); 1 = this process."""
+    """Local worker processes to start (through torch's elastic launcher); 1 = this process; MIN:MAX = elastic."""
+    nproc_min: int = 0
+    """Elastic: fewest workers the job goes on with (set by --parallel.nproc MIN:MAX); 0 = not elastic."""
+    elastic: bool = False
+    """Re-derive the layout and micro-batch for whatever world an elastic agent starts, keeping the global
+    batch (set by --parallel.nproc MIN:MAX; under torchrun --nnodes MIN:MAX set it yourself)."""
+    max_restarts: int = 3
+    """Elastic: restarts the local launcher may make (a worker lost or added, a hang)."""
     dp: int = -1
     """Data-parallel degree; -1 = whatever the world size leaves."""
     zero: int = field(default=0, metadata={"choices": (0, 1, 2, 3)})
@@ -231,7 +238,10 @@ class CheckpointConfig:
     keep: int = 2
     """Newest complete checkpoints to keep (0 = keep all)."""
     resume: str = "auto"
-    """'auto' = newest complete checkpoint of this run, 'none' = start fresh, or a checkpoint path."""
+    """'auto' = newest complete checkpoint (or snapshot) of this run, 'none' = start fresh, or a checkpoint path."""
+    snapshot_every: int = 0
+    """Steps between snapshots into host memory (/dev/shm) that a restart resumes from when newer than the
+    newest checkpoint (an elastic job loses less work); 0 = none."""
 
 
 @dataclass
@@ -301,6 +311,9 @@ def _coerce(key: str, value: Any, want: type, from_text: bool) -> Any:
 
 
 def _set(cfg: Config, key: str, value: Any, from_text: bool) -> None:
+    if key == "parallel.nproc" and isinstance(value, str) and ":" in value:
+        _set_elastic_range(cfg, value)
+        return
     section, _, name = key.partition(".")
     if section not in SECTIONS or not name:
         raise _unknown(key)
@@ -315,6 +328,14 @@ def _set(cfg: Config, key: str, value: Any, from_text: bool) -> None:
     if choices and value not in choices:
         raise ConfigError(f"{key} = {value!r} is not one of {', '.join(map(repr, choices))}")
     setattr(section_obj, name, value)
+
+
+def _set_elastic_range(cfg: Config, value: str) -> None:
+    """parallel.nproc = "MIN:MAX": an elastic job of MAX local workers that goes on with MIN."""
+    low, _, high = value.partition(":")
+    if not (low.isdigit() and high.isdigit()) or not 1 <= int(low) <= int(high):
+        raise ConfigError(f"parallel.nproc = {value!r}: write MIN:MAX with 1 <= MIN <= MAX, e.g. 2:4")
+    cfg.parallel.nproc, cfg.parallel.nproc_min, cfg.parallel.elastic = int(high), int(low), True
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
@@ -458,8 +479,11 @@ def validate(cfg: Config) -> None:
             f"parallel.offload = '{cfg.parallel.offload}' needs parallel.zero = 1 or 2, not {cfg.parallel.zero} "
             f"(it moves ZeRO-1/2's sharded optimizer state); set parallel.zero = 2 or parallel.offload = 'none'"
         )
-    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 0:
-        raise ConfigError("checkpoint.every and checkpoint.keep must be >= 0")
+    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 0 or cfg.checkpoint.snapshot_every < 0:
+        raise ConfigError("checkpoint.every, checkpoint.keep and checkpoint.snapshot_every must be >= 0")
+    if cfg.parallel.nproc_min > cfg.parallel.nproc or cfg.parallel.max_restarts < 0:
+        raise ConfigError(f"parallel.nproc_min = {cfg.parallel.nproc_min} must be at most parallel.nproc = "
+                          f"{cfg.parallel.nproc}, and parallel.max_restarts >= 0")
 
 
 def _validate_model(m: ModelConfig) -> None:

@@ -56,8 +56,6 @@ RECENT = 64
 """Collectives per rank kept in a dump (the newest)."""
 FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 FR_BUFFER_DEFAULT = "2000"
-TEST_HANG_ENV = "POLYTRAIN_TEST_HANG"
-"""Test hook, "RANK:STEP": that rank stops before the step's collectives, on the first attempt only."""
 
 
 def enable_collective_log() -> None:
@@ -102,15 +100,6 @@ def hang_directory(run_dir: Path) -> Path:
     """<run dir>/hang/attempt_<n>: one directory per attempt of an elastic job, so restarts keep
     the dumps of the attempt that hung."""
     return Path(run_dir) / "hang" / f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-
-
-def test_hang_point() -> tuple[int, int] | None:
-    """(rank, step) of the test hook, on the first attempt of an elastic job only."""
-    value = os.environ.get(TEST_HANG_ENV)
-    if not value or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return None
-    rank, step = value.split(":")
-    return int(rank), int(step)
 
 
 class Watchdog:

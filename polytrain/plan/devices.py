@@ -125,6 +125,22 @@ def measured_cpu() -> Device:
                   cores_per_node=cores)
 
 
+def device_for_accelerator(acc) -> Device:
+    """The Device this process runs on: the measured CPU, a known GPU by its name, else the accelerator's
+    own peak with an H100's memory and links (an elastic restart's planner needs some figure)."""
+    if acc.device_type == "cpu":
+        return measured_cpu()
+    name = acc.device_name().upper()
+    for key in sorted(_TABLE, key=len, reverse=True):  # "A100-40GB" before "A100"
+        if key.replace("-", " ") in name.replace("-", " "):
+            return _TABLE[key]
+    import torch
+
+    peaks = {"bf16": acc.peak_flops(torch.bfloat16) or _TABLE["H100"].peak_flops["bf16"],
+             "fp32": acc.peak_flops(torch.float32) or _TABLE["H100"].peak_flops["fp32"]}
+    return replace(_TABLE["H100"], name=acc.device_name(), peak_flops=peaks)
+
+
 CPU_CONTEXT_BYTES = 0.35 * GiB
 """Resident memory of a CPU rank before its model exists (torch, gloo, the data, Python)."""
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from polytrain.config import Config, load_config
 from polytrain.errors import PolytrainError
+from polytrain.train.elastic_launch import ELASTIC_ENV
 from polytrain.train.launch import EXIT_USER_ERROR, LAUNCHED_ENV
 
 
@@ -57,6 +58,20 @@ def config_from_argv(argv: list[str]) -> Config:
     return load_config(path, to_overrides(ds) + overrides)
 
 
+def elastic_config(cfg: Config, world: int) -> Config:
+    """The config this attempt of an elastic job runs at `world` ranks: the global batch kept, the
+    configured degrees where they divide the world, else the planner's layout for this machine."""
+    from polytrain.plan.elastic import layout_for_world, with_degrees
+
+    kept = with_degrees(cfg, world)
+    if kept is not None:
+        return kept
+    from polytrain.backend import get_accelerator
+    from polytrain.plan.devices import Cluster, device_for_accelerator
+
+    return layout_for_world(cfg, world, Cluster(device_for_accelerator(get_accelerator()), world))
+
+
 def run_worker(argv: list[str], cfg: Config | None = None) -> int:
     """Train as one rank of the job the environment describes; returns an exit code.
 
@@ -68,7 +83,10 @@ def run_worker(argv: list[str], cfg: Config | None = None) -> int:
     # Rank 0 tells what it is doing (e.g. tokenizing the corpus once); the others stay quiet.
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     try:
-        trainer = Trainer(cfg or config_from_argv(argv))
+        cfg = cfg or config_from_argv(argv)
+        if cfg.parallel.elastic or os.environ.get(ELASTIC_ENV) == "1":
+            cfg = elastic_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        trainer = Trainer(cfg)
         summary = trainer.train()
     except PolytrainError as e:
         if rank == 0:

@@ -12,7 +12,9 @@ writes a metrics row and redraws the progress bar.
 from __future__ import annotations
 
 import math
+import os
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,7 @@ from polytrain.distributed.pipeline import PipelineRunner, plan_from_config, run
 from polytrain.distributed.pipeline.tied import COPIES, TiedEmbeddings
 from polytrain.distributed.tensor_parallel import Context, shard_sizes
 from polytrain.distributed.topology import ParallelDims, dp_coordinates
-from polytrain.distributed.watchdog import Watchdog, hang_directory, test_hang_point
+from polytrain.distributed.watchdog import Watchdog, hang_directory
 from polytrain.distributed.world import barrier, init_world, max_over_world, mean_over_world
 from polytrain.errors import TrainingDiverged
 from polytrain.inference.generate import generate
@@ -40,9 +42,12 @@ from polytrain.models import ARCHITECTURES
 from polytrain.optim.schedule import set_lr
 from polytrain.train.checkpoint import Checkpointer, TrainerState, check_checkpoint, latest_checkpoint
 from polytrain.train.chunked_loss import LossHead
+from polytrain.train.elastic_launch import ELASTIC_ENV, record_event
+from polytrain.train.faults import inject_faults
 from polytrain.train.metrics import MetricsLogger, plot_loss
 from polytrain.train.precision import LossScaler, check_fp16_autocast
 from polytrain.train.progress import ProgressBar
+from polytrain.train.snapshot import newest_resume_point, snapshot_dir
 
 SAMPLE_PROMPT = "def "
 PLOT_INTERVAL_S = 15.0
@@ -99,6 +104,8 @@ class Trainer:
         self.batch_schedule = BatchSchedule.from_config(cfg.train)
         self.scaler = self._loss_scaler()
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self._rng_state, self._set_rng_state)
+        self.snapshots = Checkpointer(snapshot_dir(self.run_dir), 1, self._rng_state, self._set_rng_state) \
+            if cfg.checkpoint.snapshot_every else None
         self.step = 0
         if self.resume_from is not None:
             self.step = self._load(self.resume_from)
@@ -115,7 +122,7 @@ class Trainer:
         if resume == "none":
             return None
         if resume == "auto":
-            return latest_checkpoint(self.run_dir)
+            return newest_resume_point(self.run_dir)
         check_checkpoint(Path(resume))
         return Path(resume)
 
@@ -267,9 +274,7 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the global batch; returns the step's loss, grad norm and lr."""
         self.model.train()
-        if test_hang_point() == (self.world.rank, self.step + 1):
-            while True:  # the test of the watchdog: this rank never reaches the step's collectives
-                time.sleep(1)
+        inject_faults(self.world.rank, self.step + 1)  # tests only: hang or die as asked
         size = self.batch_schedule.at(self.sampler.consumed)
         local = self.sampler.next_batch(size)  # this rank's size / dp sample indices
         mbs = self.cfg.train.micro_batch_size
@@ -336,6 +341,7 @@ class Trainer:
         last_log_tokens = self.sampler.consumed * cfg.data.seq_len
         first_val = last_val = None
         saved_step = self.step if self.resume_from else None
+        first_step, elastic = self.step, cfg.parallel.elastic or os.environ.get(ELASTIC_ENV) == "1"
         if self.step == 0:
             first_val = last_val = self.evaluate()
             self.metrics.log({"step": 0, "val_loss": last_val, "time": 0.0})
@@ -366,6 +372,11 @@ class Trainer:
                     with self.watchdog.watch("checkpoint", step):
                         self.save()
                     saved_step = step
+                elif self.snapshots and step % cfg.checkpoint.snapshot_every == 0:
+                    with self.watchdog.watch("checkpoint", step):
+                        self.snapshots.save(self.dp, self._trainer_state())
+                if elastic and main and step == first_step + 1:  # training again after a (re)start
+                    record_event(self.run_dir, "training", step=step, world=self.world.world_size)
                 if main and time.perf_counter() - last_plot > PLOT_INTERVAL_S:
                     plot_loss(self.run_dir)
                     last_plot = time.perf_counter()
@@ -374,6 +385,8 @@ class Trainer:
         last_val = self.evaluate()
         self.metrics.log({"step": self.step, "val_loss": last_val, "time": time.perf_counter() - start})
         checkpoint = self.save() if saved_step != self.step else latest_checkpoint(self.run_dir)
+        if self.snapshots and main:  # the run is complete on disk: its RAM snapshots go
+            shutil.rmtree(self.snapshots.root.parent, ignore_errors=True)
         # Generation runs on one process under pipelines and tp grids (whose ranks each
         # hold other sequences); the checkpoint loads there. Masked-LM and span objectives
         # have no text sample.

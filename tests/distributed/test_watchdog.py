@@ -9,7 +9,8 @@ import os
 import pytest
 
 from polytrain.distributed.hang_report import analyse, format_report
-from polytrain.distributed.watchdog import EXIT_HANG, TEST_HANG_ENV
+from polytrain.distributed.watchdog import EXIT_HANG
+from polytrain.train.faults import HANG_ENV
 from tests.conftest import tiny_overrides
 from tests.multirank import run_ranks
 
@@ -54,7 +55,7 @@ def _hang(rank, world_size, overrides):
     from polytrain.config import load_config
     from polytrain.train.trainer import Trainer
 
-    os.environ[TEST_HANG_ENV] = "1:3"  # rank 1 stops before step 3's collectives
+    os.environ[HANG_ENV] = "1:3"  # rank 1 stops before step 3's collectives
     Trainer(load_config(None, overrides)).train()
 
 
