@@ -9,9 +9,10 @@ When a watched section outlives its timeout, the watchdog of that rank
 1. writes `hang/attempt_<n>/rank_<r>.json` (n counts the elastic agent's restarts): the Python stack of every thread, the rank's last
    collectives from torch's Flight Recorder (kind, process group and its ranks, sizes,
    dtypes, sequence number, whether it finished) and each group's last sequence numbers;
-2. waits a little for the other ranks' dumps (their watchdogs fire at about the same time,
-   since they wait on the same collective), and the first rank to see them all writes
-   `hang/report.txt`, naming the first rank and collective that disagree
+2. writes the marker `FIRED` there, which every other rank's watchdog notices within
+   0.2 s and dumps too (so all dumps are of the same moment, a shared run directory
+   across nodes included), waits a little for their dumps, and the first rank to see them
+   all writes `report.txt`, naming the first rank and collective that disagree
    (hang_report.py), and prints it;
 3. ends the process with EXIT_HANG, so the elastic agent (torchrun --max-restarts, or
    `polytrain train --parallel.nproc MIN:MAX`) restarts the attempt.
@@ -21,8 +22,11 @@ faulthandler is armed for each watched section too: it writes every thread's sta
 from C (`hang/rank_<r>.stacks.txt`) shortly after the timeout, whatever Python is doing.
 
 The timeout (run.hang_timeout_s): > 0 seconds as given; 0 = derived: FACTOR x the slowest
-completed section of that name, at least MIN_S, and FIRST_S until one has completed (the
-first steps build and warm up); < 0 = no watchdog. The collective log is the Flight
+completed section of that name, at least MIN_S; < 0 = no watchdog. The first section of
+each name gets at least FIRST_S either way: it also builds, shards and warms up, which
+can take minutes. Files left in the directory by an earlier round of the same attempt
+number (torchrun's membership restarts keep the count) are older than this process and
+ignored. The collective log is the Flight
 Recorder's ring buffer (TORCH_FR_BUFFER_SIZE, set by init_world before the process group
 starts): a few hundred bytes per collective, recorded in C++.
 """
@@ -54,6 +58,8 @@ GRACE_S = 10.0
 """How long a firing watchdog waits for the other ranks' dumps before reporting without them."""
 RECENT = 64
 """Collectives per rank kept in a dump (the newest)."""
+FIRED = "FIRED"
+"""Marker the first rank to fire writes; the others' watchdogs see it and dump at once."""
 FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
 FR_BUFFER_DEFAULT = "2000"
 
@@ -114,6 +120,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._watching: tuple[str, int, float, float] | None = None  # (section, step, started, timeout)
         self._stop = threading.Event()
+        self.started = time.time()  # files in the directory older than this are a previous round's
         self._stacks_file = None
         self._thread = threading.Thread(target=self._run, name="polytrain-watchdog", daemon=True)
         if self.enabled:
@@ -125,10 +132,10 @@ class Watchdog:
 
     def timeout_for(self, section: str) -> float:
         """Seconds `section` may take now (see the module docstring)."""
-        if self.timeout_s > 0:
-            return self.timeout_s
         seen = self.slowest.get(section)
-        return FIRST_S if seen is None else max(MIN_S, FACTOR * seen)
+        if seen is None:  # the first of its kind also builds and warms up: FIRST_S, or more if asked
+            return max(FIRST_S, self.timeout_s)
+        return self.timeout_s if self.timeout_s > 0 else max(MIN_S, FACTOR * seen)
 
     @contextlib.contextmanager
     def watch(self, section: str, step: int, scale: float = 1.0) -> Iterator[None]:
@@ -165,19 +172,27 @@ class Watchdog:
                                           exit=True)
 
     def _run(self) -> None:
+        marker = self.directory / FIRED
         while not self._stop.wait(0.2):
             with self._lock:
                 watching = self._watching
-            if watching is None:
+            # Another rank fired (in this round: older markers are a previous round's): dump now too,
+            # so every rank's dump is of the same moment.
+            fired = _mtime(marker) >= self.started
+            if watching is None and not fired:
                 continue
-            section, step, started, timeout = watching
+            section, step, started, timeout = watching or ("between sections", -1, time.monotonic(), 0.0)
             waited = time.monotonic() - started
-            if waited > timeout:
+            if waited > timeout or fired:
                 self._fire(section, step, waited, timeout)
 
     def _fire(self, section: str, step: int, waited: float, timeout: float) -> None:
-        """Dump, report (first rank to see every dump), and end the attempt."""
+        """Mark the round as hung, dump, report (the first rank to see every dump), end the attempt."""
         self.directory.mkdir(parents=True, exist_ok=True)
+        marker = self.directory / FIRED
+        if _mtime(marker) < self.started:
+            marker.write_text(f"rank {self.rank}: {section} {step} after {waited:.0f} s\n")
+        since = _mtime(marker) - self.grace_s  # dumps of this round, not a previous one's
         dump = {"rank": self.rank, "world_size": self.world, "host": socket.gethostname(), "pid": os.getpid(),
                 "section": section, "step": step, "waited_s": round(waited, 3), "timeout_s": timeout,
                 "stacks": python_stacks(), **collective_log()}
@@ -186,21 +201,40 @@ class Watchdog:
         tmp.write_text(json.dumps(dump, indent=1))
         os.replace(tmp, path)
         deadline = time.monotonic() + self.grace_s
-        while time.monotonic() < deadline and len(list(self.directory.glob("rank_*.json"))) < self.world:
+        while time.monotonic() < deadline and len(self._dumps(since)) < self.world:
             time.sleep(0.2)
-        self._report()
+        self._report(since)
         print(f"error: rank {self.rank}: {section} {step} has not finished after {waited:.0f} s (timeout "
               f"{timeout:.0f} s); stacks and collectives in {self.directory}", file=sys.stderr, flush=True)
         os._exit(EXIT_HANG)
 
-    def _report(self) -> None:
-        """Write report.txt once (whichever rank gets there first) and print it."""
-        dumps = [json.loads(p.read_text()) for p in sorted(self.directory.glob("rank_*.json"))]
+    def _dumps(self, since: float) -> list[Path]:
+        return [p for p in sorted(self.directory.glob("rank_*.json")) if _mtime(p) >= since]
+
+    def _report(self, since: float) -> None:
+        """Write report.txt once per round (whichever rank gets there first) and print it."""
+        dumps = [json.loads(p.read_text()) for p in self._dumps(since)]
         text = format_report(analyse(dumps, self.world), dumps)
+        path = self.directory / "report.txt"
+        if _mtime(path) >= since:
+            return  # another rank wrote this round's
+        tmp = path.with_name(f"report.{self.rank}.tmp")
+        tmp.write_text(text + "\n")
         try:
-            fd = os.open(self.directory / "report.txt", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            os.link(tmp, path)  # atomic, and fails if another rank's is already there
         except FileExistsError:
-            return
-        with os.fdopen(fd, "w") as f:
-            f.write(text + "\n")
+            if _mtime(path) >= since:
+                tmp.unlink()
+                return
+            os.replace(tmp, path)  # a previous round's report: this round's replaces it
+        else:
+            tmp.unlink()
         print(text, file=sys.stderr, flush=True)
+
+
+def _mtime(path: Path) -> float:
+    """Modification time (wall clock), or -inf for a missing file."""
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return float("-inf")

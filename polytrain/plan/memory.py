@@ -124,58 +124,68 @@ def estimate_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Clu
     return best
 
 
-def _rank_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Cluster,
-                 plan: PipelinePlan | None, pp_rank: int) -> MemoryEstimate:
-    m, t = cfg.model, cfg.train
-    device = cluster.device
-    tp, split = layout.tp, tp_split(layout.tp, layout.tp_mode, layout.tp_depth)
+@dataclass(frozen=True)
+class _Rank:
+    """One pipeline rank's share of the model: its parameter elements (tp- and pp-local)."""
+
+    params: float
+    block: float
+    root: float
+    """Embeddings, final norm and head."""
+    blocks: int
+    first: bool
+    last: bool
+
+
+def _rank_share(cfg: Config, shape: ModelShape, layout: Layout, plan: PipelinePlan | None, pp_rank: int) -> _Rank:
+    m = cfg.model
     units = rank_units(cfg, shape, plan, pp_rank)
     first, last = units[0] == ARCHITECTURES[m.arch].embedding_units[0], "output" in units
-    local = {u: shape.unit_params_per_rank(u, tp, layout.tp_mode, layout.tp_depth) for u in units}
+    local = {u: shape.unit_params_per_rank(u, layout.tp, layout.tp_mode, layout.tp_depth) for u in units}
     if last and m.tie_embeddings and layout.pp > 1 and not first:  # the head's copy of the table
-        local["output"] = shape.units["tok_embeddings"].matrices / split
-    params = sum(local.values())
+        local["output"] = shape.units["tok_embeddings"].matrices / tp_split(layout.tp, layout.tp_mode, layout.tp_depth)
     blocks = [u for u in units if u.startswith("layers.")]
-    block = shape.block_params_per_rank(tp, layout.tp_mode, layout.tp_depth)
-    root = params - sum(local[u] for u in blocks)  # embeddings, final norm, head
-    n, zero = layout.dp, layout.zero
-    opt = OPTIMIZER_STATE_BYTES[t.optimizer] if t.optimizer != "sgd" or t.momentum else 0
+    params = sum(local.values())
+    return _Rank(params, shape.block_params_per_rank(layout.tp, layout.tp_mode, layout.tp_depth),
+                 params - sum(local[u] for u in blocks), len(blocks), first, last)
 
-    # ----- model states, and the gradients as they stand at each moment -----
+
+def _model_states(cfg: Config, layout: Layout, rank: _Rank, cluster: Cluster):
+    """(resident parts, gradients kept between micro-batches, gradients at the step, host bytes per node)."""
+    t, n, zero, params = cfg.train, layout.dp, layout.zero, rank.params
+    opt = OPTIMIZER_STATE_BYTES[t.optimizer] if t.optimizer != "sgd" or t.momentum else 0
     parts: dict[str, float] = {}
     shard = n if zero in (1, 2, 3) else 1
     if zero == 3:
         parts["weights (shards)"] = FP32 * params / n
-        parts["gathered weights"] = FP32 * (params if layout.pp > 1 else
-                                            root + min(len(blocks), 3) * block)
+        parts["gathered weights"] = FP32 * (params if layout.pp > 1 else rank.root + min(rank.blocks, 3) * rank.block)
     else:
         parts["weights"] = FP32 * params
         if zero == 0 and n > 1:  # FSDP2 gathers replicas into buffers of their own, kept for the step
             parts["gathered weights"] = FP32 * params
+    whole, piece = FP32 * params, FP32 * params / n
     if zero in (1, 2):
-        parts["master weights"] = FP32 * params / n
-    state_bytes = opt * params / shard
+        parts["master weights"] = piece
+    state = opt * params / shard
+    # Gradients kept while later micro-batches run, and held at the optimizer step: whole for
+    # replicas; ZeRO-1 whole until its buckets reduce (the shard at the step); ZeRO-2/3 the shard.
+    kept = {0: whole, 1: whole, 2: piece, 3: piece}[zero] if layout.accum > 1 or zero == 2 else 0.0
+    final = whole if zero == 0 else piece
     host = 0.0
     if layout.offload != "none":  # masters, optimizer state and gradient shards leave the device
-        host = (parts.pop("master weights") + state_bytes + FP32 * params / n) * cluster.per_node
-        state_bytes = 0.0
+        host = (parts.pop("master weights") + state + piece) * cluster.per_node
+        kept, final = (kept, whole) if zero == 1 else (0.0, 0.0)
     else:
-        parts["optimizer state"] = state_bytes
-    whole_grads = FP32 * params
-    if zero == 0:
-        grads_kept = whole_grads if layout.accum > 1 else 0.0
-        grads_final = whole_grads
-    elif zero == 1:
-        grads_kept = whole_grads if layout.accum > 1 else 0.0
-        grads_final = FP32 * params / n  # full gradients are freed as their buckets reduce
-    elif zero == 2:
-        grads_kept = grads_final = FP32 * params / n
-    else:
-        grads_kept = FP32 * params / n if layout.accum > 1 else 0.0
-        grads_final = FP32 * params / n
-    if layout.offload != "none" and zero in (1, 2):
-        grads_final = whole_grads if zero == 1 else 0.0
-        grads_kept = grads_kept if zero == 1 else 0.0
+        parts["optimizer state"] = state
+    return parts, kept, final, host
+
+
+def _rank_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Cluster,
+                 plan: PipelinePlan | None, pp_rank: int) -> MemoryEstimate:
+    m, t = cfg.model, cfg.train
+    rank = _rank_share(cfg, shape, layout, plan, pp_rank)
+    tp, split = layout.tp, tp_split(layout.tp, layout.tp_mode, layout.tp_depth)
+    parts, grads_kept, grads_final, host = _model_states(cfg, layout, rank, cluster)
 
     # ----- activations of the micro-batches in flight, and the loss -----
     cb = compute_bytes(t.precision)
@@ -184,47 +194,45 @@ def _rank_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Cluste
     tokens = layout.micro_batch_size * cfg.data.seq_len / layout.cp
     grid = layout.tp_mode != "1d" and tp > 1
     act_tp, act_sp = (1, False) if grid else (tp, layout.sp)
-    per_block = block_bytes_per_token(family, dims, cb, act_tp, act_sp, layout.activation_checkpoint)
-    per_token = len(blocks) * per_block
-    if last:
+    per_token = rank.blocks * block_bytes_per_token(family, dims, cb, act_tp, act_sp, layout.activation_checkpoint)
+    if rank.last:
         per_token += head_bytes_per_token(family, m.dim, cb, act_tp, act_sp)
     if grid:  # the grids split every activation tp ways (sequences and features)
         per_token /= tp
-    block_matrices = block - shape.units["layers.0"].vectors
-    copies = autocast_weight_bytes(block_matrices, cb, layout.activation_checkpoint) * len(blocks)
+    block_matrices = rank.block - shape.units["layers.0"].vectors
+    copies = autocast_weight_bytes(block_matrices, cb, layout.activation_checkpoint) * rank.blocks
     flight = in_flight(layout, pp_rank)
     activations = flight * (tokens * per_token + copies)
     if layout.pp > 1:  # the schedule keeps each in-flight micro-batch's stage output for its backward
-        width = m.vocab_size / tp * cb if last else m.dim * FP32 / (tp if layout.sp else 1)
+        width = m.vocab_size / tp * cb if rank.last else m.dim * FP32 / (tp if layout.sp else 1)
         activations += flight * tokens * width
-    if layout.activation_checkpoint == "full" and blocks:  # one block recomputed in backward
+    if layout.activation_checkpoint == "full" and rank.blocks:  # one block recomputed in backward
         activations += tokens * block_bytes_per_token(family, dims, cb, act_tp, act_sp) / (tp if grid else 1)
         activations += autocast_weight_bytes(block_matrices, cb, "none")
-    loss = _loss_bytes(cfg, layout, tokens, cb, flight if last else 0) if last else 0.0
+    loss = _loss_bytes(cfg, layout, tokens, cb, flight) if rank.last else 0.0
     head_grad = 0.0
-    if last and _chunked(cfg, layout):  # made in forward: the head's gradient and the hidden states'
+    if rank.last and _chunked(cfg, layout):  # made in forward: the head's gradient and the hidden states'
         head_grad = FP32 * (m.vocab_size * m.dim + tokens * m.dim)
 
     # ----- the two moments -----
-    fixed = dict(parts)
-    forward = {**fixed, "gradients": grads_kept + head_grad, "activations": activations, "loss": loss}
-    if zero == 3:
+    forward = {**parts, "gradients": grads_kept + head_grad, "activations": activations, "loss": loss}
+    if layout.zero == 3:
         # Early in backward, a block's unsharded gradients and the next one's, before reduce-scatter.
-        forward["gradients (gathering)"] = FP32 * 2 * block
-    elif zero in (1, 2):  # backward's first bucket is packed for its reduce-scatter while activations live
-        forward["gradient bucket"] = min(cfg.parallel.reduce_bucket_mb * 2**20, whole_grads)
-    largest = shape.largest_tensor / split / shard
-    step_temp = _update_temporaries(t.optimizer, params / shard, largest, cluster, layout)
-    step = {**fixed, "gradients": grads_final if layout.offload == "none" else 0.0,
-            "update temporaries": step_temp}
+        forward["gradients (gathering)"] = FP32 * 2 * rank.block
+    elif layout.zero in (1, 2):  # backward's first bucket is packed for its reduce-scatter while activations live
+        forward["gradient bucket"] = min(cfg.parallel.reduce_bucket_mb * 2**20, FP32 * rank.params)
+    shard = layout.dp if layout.zero else 1
+    step_temp = _update_temporaries(t.optimizer, rank.params / shard, shape.largest_tensor / split / shard,
+                                    cluster, layout)
+    step = {**parts, "gradients": grads_final, "update temporaries": step_temp}
     if "gathered weights" in step:
         step["gathered weights"] = 0.0  # resharded by the time the optimizer runs
-    if zero in (1, 2):  # the updated masters are all-gathered into the weights bucket by bucket
+    if layout.zero in (1, 2):  # the updated masters are all-gathered into the weights bucket by bucket
         step["gather buckets"] = 2 * cfg.parallel.reduce_bucket_mb * 2**20
     phases = {"forward/backward": forward, "optimizer step": step}
     phase = max(phases, key=lambda name: sum(phases[name].values()))
     out = {k: v for k, v in phases[phase].items() if v}
-    out["runtime context"] = device.context_bytes
+    out["runtime context"] = cluster.device.context_bytes
     return MemoryEstimate(out, phase, pp_rank, phases=phases, host_bytes_per_node=host)
 
 

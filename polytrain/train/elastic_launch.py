@@ -10,7 +10,7 @@ RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, TORCHELASTIC_RESTART_COUNT) and 
 - one dies otherwise (a signal such as SIGKILL or the OOM killer's, a crash): its slot is
   lost, the others are stopped, and the job restarts with one worker fewer, as long as at
   least MIN remain;
-- SIGUSR1 to the launcher adds a worker (up to MAX): the job restarts one larger.
+- SIGUSR1 to the launcher says the lost capacity is back: the job restarts at MAX workers.
 
 Each restart counts against `parallel.max_restarts`. A restarted job resumes from the
 newest checkpoint or host-memory snapshot (`checkpoint.snapshot_every`) at its new size,
@@ -37,6 +37,8 @@ from pathlib import Path
 
 EXIT_USER_ERROR = 2
 EXIT_HANG = 3
+SETTLE_S = 1.0
+"""After the first failure, how long to let other deaths of the same event (an OOM kill of several) arrive."""
 EVENTS_FILE = "elastic.jsonl"
 ELASTIC_ENV = "POLYTRAIN_ELASTIC"  # set for the workers of an elastic job (this launcher's, or by hand under torchrun)
 STOP_GRACE_S = 5.0
@@ -116,6 +118,8 @@ class ElasticLauncher:
             codes = [p.poll() for p in attempt.procs]
             failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
             if failed:
+                time.sleep(SETTLE_S)
+                failed = [(rank, c) for rank, p in enumerate(attempt.procs) if (c := p.poll()) not in (None, 0)]
                 record_event(self.run_dir, "failure", attempt=attempt.number,
                              ranks=[r for r, _ in failed], codes=[c for _, c in failed])
                 if any(c == EXIT_USER_ERROR for _, c in failed):
@@ -128,7 +132,7 @@ class ElasticLauncher:
             if all(c == 0 for c in codes):
                 return "done", 0
             if self._joins and attempt.world < self.max:
-                return "join", self._joins
+                return "join", self.max - attempt.world
             time.sleep(0.1)
 
     def run(self) -> int:
@@ -148,7 +152,7 @@ class ElasticLauncher:
                 if outcome == "lost":
                     world -= count
                 elif outcome == "join":
-                    world, self._joins = min(self.max, world + count), 0
+                    world, self._joins = self.max, 0
                 if number >= self.max_restarts:
                     print(f"error: the job {self._said(outcome)} and has used its {self.max_restarts} restarts "
                           f"(parallel.max_restarts)", file=sys.stderr)
@@ -166,4 +170,4 @@ class ElasticLauncher:
     @staticmethod
     def _said(outcome: str) -> str:
         return {"hang": "hung (see hang/ in the run directory)", "lost": "lost a worker",
-                "join": "gained a worker"}[outcome]
+                "join": "has its workers back"}[outcome]

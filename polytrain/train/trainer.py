@@ -47,7 +47,7 @@ from polytrain.train.faults import inject_faults
 from polytrain.train.metrics import MetricsLogger, plot_loss
 from polytrain.train.precision import LossScaler, check_fp16_autocast
 from polytrain.train.progress import ProgressBar
-from polytrain.train.snapshot import newest_resume_point, snapshot_dir
+from polytrain.train.snapshot import newest_resume_point, snapshot_dir, snapshots_possible
 
 SAMPLE_PROMPT = "def "
 PLOT_INTERVAL_S = 15.0
@@ -104,8 +104,7 @@ class Trainer:
         self.batch_schedule = BatchSchedule.from_config(cfg.train)
         self.scaler = self._loss_scaler()
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self._rng_state, self._set_rng_state)
-        self.snapshots = Checkpointer(snapshot_dir(self.run_dir), 1, self._rng_state, self._set_rng_state) \
-            if cfg.checkpoint.snapshot_every else None
+        self.snapshots: Checkpointer | None = None  # made at the first snapshot, once the run directory exists
         self.step = 0
         if self.resume_from is not None:
             self.step = self._load(self.resume_from)
@@ -240,6 +239,14 @@ class Trainer:
     def save(self) -> Path:
         return self.checkpointer.save(self.dp, self._trainer_state())
 
+    def snapshot(self) -> Path | None:
+        """A checkpoint into host memory (train/snapshot.py); None where ranks span machines."""
+        if not snapshots_possible():
+            return None
+        if self.snapshots is None:
+            self.snapshots = Checkpointer(snapshot_dir(self.run_dir), 1, self._rng_state, self._set_rng_state)
+        return self.snapshots.save(self.dp, self._trainer_state())
+
     # ----- one step -----------------------------------------------------------------
 
     def _loss(self, indices: list[int], data: TokenDataset) -> torch.Tensor:
@@ -372,9 +379,9 @@ class Trainer:
                     with self.watchdog.watch("checkpoint", step):
                         self.save()
                     saved_step = step
-                elif self.snapshots and step % cfg.checkpoint.snapshot_every == 0:
+                elif cfg.checkpoint.snapshot_every and step % cfg.checkpoint.snapshot_every == 0:
                     with self.watchdog.watch("checkpoint", step):
-                        self.snapshots.save(self.dp, self._trainer_state())
+                        self.snapshot()
                 if elastic and main and step == first_step + 1:  # training again after a (re)start
                     record_event(self.run_dir, "training", step=step, world=self.world.world_size)
                 if main and time.perf_counter() - last_plot > PLOT_INTERVAL_S:
@@ -385,8 +392,8 @@ class Trainer:
         last_val = self.evaluate()
         self.metrics.log({"step": self.step, "val_loss": last_val, "time": time.perf_counter() - start})
         checkpoint = self.save() if saved_step != self.step else latest_checkpoint(self.run_dir)
-        if self.snapshots and main:  # the run is complete on disk: its RAM snapshots go
-            shutil.rmtree(self.snapshots.root.parent, ignore_errors=True)
+        if cfg.checkpoint.snapshot_every and main:  # the run is complete on disk: its RAM snapshots go
+            shutil.rmtree(snapshot_dir(self.run_dir), ignore_errors=True)
         # Generation runs on one process under pipelines and tp grids (whose ranks each
         # hold other sequences); the checkpoint loads there. Masked-LM and span objectives
         # have no text sample.
