@@ -34,19 +34,33 @@ def _train(argv: list[str]) -> int:
         return 0
     cfg = config_from_argv(argv)
     if cfg.parallel.nproc_min and "WORLD_SIZE" not in os.environ:
-        from polytrain.plan.elastic import check_worlds
         from polytrain.train.elastic_launch import ElasticLauncher
 
         p = cfg.parallel
-        check_worlds(cfg, p.nproc_min, p.nproc)  # every size the job may shrink to keeps the batch
+        _plan_elastic(cfg, p.nproc_min, p.nproc, nodes=1)  # a layout for every size the job may run at
         return ElasticLauncher(p.nproc_min, p.nproc, argv, cfg.run_dir, p.max_restarts).run()
     if cfg.parallel.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        from polytrain.distributed.topology import ParallelDims
         from polytrain.train.launch import launch_local_workers
+        from polytrain.train.startup import plan_layout
 
-        ParallelDims.from_config(cfg, cfg.parallel.nproc)  # fail here, before starting workers
+        plan_layout(cfg, cfg.parallel.nproc)  # fail here, before starting workers
         return launch_local_workers(cfg.parallel.nproc, argv)
     return run_worker(argv, cfg)
+
+
+def _plan_elastic(cfg, low: int, high: int, nodes: int, cluster=None) -> dict:
+    """Plan a layout keeping the global batch for every world size in [low, high] and write them to the
+    run directory, where the workers read theirs (train/elastic.py); ConfigError if a size has none."""
+    from polytrain.plan.elastic import elastic_layouts, write_layouts
+
+    if cluster is None:
+        from polytrain.backend import get_accelerator
+        from polytrain.plan.devices import Cluster, device_for_accelerator
+
+        cluster = Cluster(device_for_accelerator(get_accelerator()), high * nodes, nodes)
+    layouts = elastic_layouts(cfg, low, high, cluster)
+    write_layouts(cfg, layouts)
+    return layouts
 
 
 def _generate(argv: list[str]) -> int:
@@ -72,7 +86,8 @@ def _generate(argv: list[str]) -> int:
 def _chat(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="polytrain chat",
                                      description="Talk to a decoder, with its chat template when it has one.")
-    parser.add_argument("run_dir", help="a run directory (trained, or made by `polytrain convert`)")
+    parser.add_argument("run_dir", help="a run directory (trained, made by `polytrain convert`, or an RLHF "
+                                        "run: its final actor)")
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=40)
@@ -85,7 +100,12 @@ def _chat(argv: list[str]) -> int:
     from polytrain.inference.chat import Chat, repl
     from polytrain.inference.load import load_run
 
-    chat = Chat(load_run(args.run_dir), Path(args.run_dir), args.max_new_tokens, args.temperature,
+    from polytrain.rlhf.plan import chat_dir
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "config.toml").is_file() and chat_dir(run_dir) is not None:
+        run_dir = chat_dir(run_dir)  # an RLHF run: its final actor
+    chat = Chat(load_run(run_dir), run_dir, args.max_new_tokens, args.temperature,
                 args.top_k, args.top_p, args.seed)
     repl(chat)
     return 0
@@ -124,7 +144,7 @@ def _consolidate(argv: list[str]) -> int:
                         help="safetensors or pt (default: pt for .pt/.pth/.bin files, else safetensors)")
     args = parser.parse_args(argv)
 
-    from polytrain.train.consolidate import consolidate
+    from polytrain.checkpoint.consolidate import consolidate
 
     out = consolidate(args.checkpoint, args.out, dtype=args.dtype, fmt=args.format)
     print(f"wrote {out} ({out.stat().st_size / 2**20:,.1f} MiB)")
@@ -211,6 +231,9 @@ def _plan(argv: list[str]) -> int:
     parser.add_argument("--allow-cp", action="store_true",
                         help="also propose context parallelism when this config has no parallel.cp")
     parser.add_argument("--json", action="store_true", help="print a JSON list, best first")
+    parser.add_argument("--elastic", metavar="MIN:MAX",
+                        help="plan a layout for every world size MIN..MAX (the config's global batch kept) and "
+                             "write them to <run dir>/elastic_layouts.json for a torchrun --nnodes MIN:MAX job")
     args, overrides = parser.parse_known_args(argv)
 
     from polytrain.config import load_config
@@ -220,6 +243,16 @@ def _plan(argv: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     cluster = with_overrides(Cluster(device_spec(args.device), args.devices, args.nodes),
                              memory=args.device_memory, link=args.link, flops=args.device_flops)
+    if args.elastic:
+        low, _, high = args.elastic.partition(":")
+        if not (low.isdigit() and high.isdigit()):
+            raise PolytrainError(f"--elastic {args.elastic!r}: write MIN:MAX world sizes, e.g. 8:64")
+        layouts = _plan_elastic(cfg, int(low), int(high), args.nodes, cluster)
+        for world, keys in layouts.items():
+            print(f"{world:>5} ranks: " + " ".join(f"--{k} {str(v).lower() if isinstance(v, bool) else v}"
+                                                   for k, v in keys.items()))
+        print(f"wrote {cfg.run_dir / 'elastic_layouts.json'}")
+        return 0
     estimates = plan(cfg, cluster, headroom=args.headroom, allow_cp=args.allow_cp)
     if not estimates:
         raise PolytrainError(f"no layout of {args.devices} devices passes start-up's checks for this config "

@@ -95,11 +95,14 @@ class HostEvent:
         """Streams are already ordered on the host."""
 
 
-class HostStream:
-    """torch.cuda.Stream on the host: one in-order queue that is always drained."""
+class HostStream(torch.Stream):
+    """torch.cuda.Stream on the host: one in-order queue that is always drained. A torch.Stream
+    of the CPU, so torch's own signatures (`Tensor.record_stream`) and isinstance checks take it."""
+
+    def __new__(cls, device: Any = None, priority: int = 0, **_: Any) -> HostStream:
+        return super().__new__(cls, device="cpu", priority=priority)
 
     def __init__(self, device: Any = None, priority: int = 0, **_: Any) -> None:
-        self.device = torch.device("cpu")
         self.priority = priority
 
     def synchronize(self) -> None:
@@ -138,6 +141,7 @@ class HostDeviceProperties:
     minor: int = 0
     is_integrated: bool = True
     is_multi_gpu_board: bool = False
+    gcnArchName: str = ""  # noqa: N815 - torch's field; read by inductor's cache key off CUDA
 
 
 class HostDevice:

@@ -87,9 +87,10 @@ class BatchSchedule:
 
 
 def check_batch_schedule(cfg, dp: int, pipeline=None) -> None:
-    """Start-up check of the ramp-up at `dp` data-parallel ranks (and a pipeline plan's runs)."""
+    """Start-up check of the ramp-up keys, at `dp` data-parallel ranks (and a pipeline plan's runs)."""
     t = cfg.train
     schedule = BatchSchedule.from_config(t)
+    schedule.validate(t.micro_batch_size)
     if not schedule.ramps:
         return
     schedule.check(t.micro_batch_size, dp)

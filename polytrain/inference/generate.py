@@ -16,6 +16,7 @@ decoder runs from a start token with the same sampling loop.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -26,15 +27,22 @@ from polytrain.models.common.kv_cache import KVCache
 def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              stop_tokens: set[int] | None = None,
-             generator: torch.Generator | None = None) -> list[list[int]]:
+             generator: torch.Generator | None = None,
+             row_generators: list[torch.Generator] | None = None,
+             all_done: Callable[[bool], bool] | None = None) -> list[list[int]]:
     """Continue each prompt by up to `max_new_tokens` tokens; returns only the new tokens.
 
     temperature 0 picks the most likely token (greedy); otherwise logits are divided
     by temperature, filtered by top_k and/or top_p (nucleus), and sampled with
-    `generator`. A row ends after it emits a token in `stop_tokens` (that token is
-    included); generation ends when every row has ended or after max_new_tokens.
+    `generator`, or row b with `row_generators[b]` (its tokens then do not depend on
+    the other rows of the batch). A row ends after it emits a token in `stop_tokens`
+    (that token is included); generation ends when every row has ended or after
+    max_new_tokens. `all_done(local)` lets ranks that generate through one sharded
+    model agree on when to stop (every rank must run the same forwards).
     """
     _check_arguments(prompts, max_new_tokens, temperature, top_k, top_p)
+    if row_generators is not None and len(row_generators) != len(prompts):
+        raise ValueError(f"{len(row_generators)} row_generators for {len(prompts)} prompts")
     longest = max(len(p) for p in prompts)
     max_seq_len = model.cfg.max_seq_len
     if longest + max_new_tokens > max_seq_len:
@@ -57,7 +65,8 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
 
     with _inference(model):
         first = model(tokens, cache=cache, start_pos=0)[:, -1]  # (B, vocab)
-        return _sample_loop(first, step, max_new_tokens, temperature, top_k, top_p, stop_tokens, generator)
+        return _sample_loop(first, step, max_new_tokens, temperature, top_k, top_p, stop_tokens,
+                            generator, row_generators, all_done)
 
 
 def generate_seq2seq(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
@@ -104,18 +113,26 @@ def _inference(model: nn.Module):
 
 
 def _sample_loop(first: torch.Tensor, step, max_new_tokens: int, temperature: float, top_k: int | None,
-                 top_p: float | None, stop_tokens: set[int] | None,
-                 generator: torch.Generator | None) -> list[list[int]]:
+                 top_p: float | None, stop_tokens: set[int] | None, generator: torch.Generator | None,
+                 row_generators: list[torch.Generator] | None = None,
+                 all_done: Callable[[bool], bool] | None = None) -> list[list[int]]:
     """Sample a token per row from `first` (B, vocab), then from step(tokens (B,), i) for i = 0, 1, ...
     until every row has emitted a stop token or max_new_tokens are out; rows cut after their stop."""
     stops = torch.tensor(sorted(stop_tokens or ()), dtype=torch.long, device=first.device)
     logits, new = first, []
     done = torch.zeros(first.shape[0], dtype=torch.bool, device=first.device)
     for i in range(max_new_tokens):
-        next_tok = sample(logits, temperature, top_k, top_p, generator)  # (B,)
+        if row_generators is None:
+            next_tok = sample(logits, temperature, top_k, top_p, generator)  # (B,)
+        else:  # each row from its own stream: (1, vocab) at a time
+            next_tok = torch.cat([sample(logits[b:b + 1], temperature, top_k, top_p, g)
+                                  for b, g in enumerate(row_generators)])
         new.append(next_tok)
         done |= torch.isin(next_tok, stops)
-        if i == max_new_tokens - 1 or bool(done.all()):
+        if i == max_new_tokens - 1:
+            break
+        finished = bool(done.all())
+        if finished if all_done is None else all_done(finished):
             break
         logits = step(next_tok, i)
     return [_until_stop(row, stop_tokens or set()) for row in torch.stack(new, 1).tolist()]

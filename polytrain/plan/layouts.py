@@ -4,8 +4,8 @@ A Layout is a set of config values (parallel.* degrees, micro-batch, recomputati
 offload) that keeps the config's global batch. `candidate_layouts` enumerates every
 combination whose degrees multiply to the world size and whose micro-batch and
 accumulation give the global batch, then keeps those the project's own start-up check
-accepts (topology.ParallelDims.from_config, which runs the tensor-parallel and pipeline
-checks): what the planner proposes, `polytrain train` will run.
+accepts (train/startup.plan_layout: the degree arithmetic, the tensor-parallel and pipeline
+checks, the batch plan): what the planner proposes, `polytrain train` will run.
 
 Context parallelism (parallel.cp / cp_mode) is modelled from its formulas; it is only
 proposed when the config has those keys (until then `allow_cp` asks for it anyway, for
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from polytrain.config import Config
 from polytrain.distributed.pipeline.plan import MULTI_STAGE_SCHEDULES
 from polytrain.distributed.tensor_parallel.checks import valid_tp_degrees
-from polytrain.distributed.tensor_parallel.grid import grid_side
-from polytrain.distributed.topology import ParallelDims
+from polytrain.distributed.grid_shape import grid_side
 from polytrain.errors import ConfigError
 from polytrain.models import ARCHITECTURES
+from polytrain.train.startup import plan_layout
 
 CP_MODES = ("ulysses", "ring")
 
@@ -129,7 +129,7 @@ def accepted(cfg: Config, layout: Layout) -> bool:
         if not has_cp_keys(cfg):  # the other degrees, checked on the world one cp group leaves
             layout = dataclasses.replace(layout, cp=1, world=layout.world // layout.cp)
     try:
-        ParallelDims.from_config(apply_layout(cfg, layout), layout.world)
+        plan_layout(apply_layout(cfg, layout), layout.world)
     except ConfigError:
         return False
     return True
@@ -160,7 +160,7 @@ def candidate_layouts(cfg: Config, world: int, space: SearchSpace = SearchSpace(
     """Every layout of `world` ranks start-up accepts for `cfg`, at its global batch."""
     gbs, m = cfg.train.global_batch_size, cfg.model
     arch = ARCHITECTURES[m.arch]
-    tp_degrees = set(valid_tp_degrees(m)) if arch.parallelize_module else {1}
+    tp_degrees = set(valid_tp_degrees(m, arch.tp_shares_kv_heads)) if arch.plan_module else {1}
     checked: dict[tuple, bool] = {}
     for tp in divisors(world):
         for tp_mode in (space.tp_modes if tp > 1 else ("1d",)):
@@ -203,12 +203,11 @@ def _with_rest(cfg, space, checked, gbs, world, dp, tp, tp_mode, tp_depth, cp, p
 
 
 def layout_from_config(cfg: Config, world: int) -> Layout:
-    """The layout a config runs at `world` ranks (its degrees as start-up resolves them)."""
-    dims = ParallelDims.from_config(cfg, world)
-    p, t = cfg.parallel, cfg.train
-    cp = getattr(p, "cp", 1)
+    """The layout a config runs at `world` ranks (its degrees and batch plan as start-up resolves them)."""
+    checked = plan_layout(cfg, world)
+    p, t, dims = cfg.parallel, cfg.train, checked.dims
     return Layout(world=world, dp=dims.dp, zero=p.zero, tp=p.tp, tp_mode=p.tp_mode, tp_depth=p.tp_depth,
-                  sp=p.sp, pp=p.pp, pp_schedule=p.pp_schedule, pp_virtual_stages=p.pp_virtual_stages, cp=cp,
-                  cp_mode=getattr(p, "cp_mode", "ulysses"), micro_batch_size=t.micro_batch_size,
-                  accum=dims.grad_accum_steps(cfg), activation_checkpoint=t.activation_checkpoint,
-                  offload=p.offload)
+                  sp=p.sp, pp=p.pp, pp_schedule=p.pp_schedule, pp_virtual_stages=p.pp_virtual_stages,
+                  cp=getattr(p, "cp", 1), cp_mode=getattr(p, "cp_mode", "ulysses"),
+                  micro_batch_size=t.micro_batch_size, accum=checked.batch.accum_steps,
+                  activation_checkpoint=t.activation_checkpoint, offload=p.offload)

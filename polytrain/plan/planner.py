@@ -6,7 +6,7 @@
 
 Layouts that fit (peak below the device's memory less `headroom`) come first, fastest
 step first (ties: less memory); those that do not fit follow, smallest first. The
-user's own choices are kept: any layout key the config sets away from its default
+user's own choices are kept: any layout key the config file or the command line sets
 (e.g. parallel.tp = 2, train.activation_checkpoint = full) fixes that key.
 """
 
@@ -14,20 +14,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from polytrain.config import Config, ParallelConfig, TrainConfig
+from polytrain.config import Config
 from polytrain.plan.devices import GiB, Cluster
 from polytrain.plan.layouts import Layout, SearchSpace, candidate_layouts, has_cp_keys
 from polytrain.plan.memory import MemoryEstimate, estimate_memory
 from polytrain.plan.shapes import ModelShape, model_shape
 from polytrain.plan.step_time import TimeEstimate, estimate_step_time
 
-# Layout field -> (config section class, key), for the keys a user may fix.
-FIXABLE = {"dp": (ParallelConfig, "dp"), "zero": (ParallelConfig, "zero"), "tp": (ParallelConfig, "tp"),
-           "tp_mode": (ParallelConfig, "tp_mode"), "sp": (ParallelConfig, "sp"), "pp": (ParallelConfig, "pp"),
-           "pp_schedule": (ParallelConfig, "pp_schedule"), "offload": (ParallelConfig, "offload"),
-           "micro_batch_size": (TrainConfig, "micro_batch_size"),
-           "activation_checkpoint": (TrainConfig, "activation_checkpoint"),
-           "cp": (ParallelConfig, "cp"), "cp_mode": (ParallelConfig, "cp_mode")}
+# Layout field -> the config key that sets it (the keys a user may fix).
+FIXABLE = {"dp": "parallel.dp", "zero": "parallel.zero", "tp": "parallel.tp", "tp_mode": "parallel.tp_mode",
+           "sp": "parallel.sp", "pp": "parallel.pp", "pp_schedule": "parallel.pp_schedule",
+           "offload": "parallel.offload", "micro_batch_size": "train.micro_batch_size",
+           "activation_checkpoint": "train.activation_checkpoint", "cp": "parallel.cp", "cp_mode": "parallel.cp_mode"}
 
 
 @dataclass(frozen=True)
@@ -58,13 +56,12 @@ class Estimate:
 
 
 def fixed_choices(cfg: Config) -> dict[str, object]:
-    """Layout fields the config sets away from their defaults: the user's choices, kept."""
+    """Layout fields the user set (the config file or the overrides named them): kept as they are."""
     out = {}
-    defaults = {ParallelConfig: ParallelConfig(), TrainConfig: TrainConfig()}
-    for name, (section_cls, key) in FIXABLE.items():
-        section = cfg.parallel if section_cls is ParallelConfig else cfg.train
-        if hasattr(section, key) and getattr(section, key) != getattr(defaults[section_cls], key):
-            out[name] = getattr(section, key)
+    for name, key in FIXABLE.items():
+        section, _, field_name = key.partition(".")
+        if key in cfg.set_keys and hasattr(getattr(cfg, section), field_name):
+            out[name] = getattr(getattr(cfg, section), field_name)
     return out
 
 

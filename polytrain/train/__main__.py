@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from polytrain.config import Config, load_config
 from polytrain.errors import PolytrainError
+from polytrain.train.elastic import elastic_config
 from polytrain.train.elastic_launch import ELASTIC_ENV
 from polytrain.train.launch import EXIT_USER_ERROR, LAUNCHED_ENV
 
@@ -56,20 +57,6 @@ def config_from_argv(argv: list[str]) -> Config:
         for w in caught:
             print(f"warning: {w.message}", file=sys.stderr, flush=True)
     return load_config(path, to_overrides(ds) + overrides)
-
-
-def elastic_config(cfg: Config, world: int) -> Config:
-    """The config this attempt of an elastic job runs at `world` ranks: the global batch kept, the
-    configured degrees where they divide the world, else the planner's layout for this machine."""
-    from polytrain.plan.elastic import layout_for_world, with_degrees
-
-    kept = with_degrees(cfg, world)
-    if kept is not None:
-        return kept
-    from polytrain.backend import get_accelerator
-    from polytrain.plan.devices import Cluster, device_for_accelerator
-
-    return layout_for_world(cfg, world, Cluster(device_for_accelerator(get_accelerator()), world))
 
 
 def run_worker(argv: list[str], cfg: Config | None = None) -> int:

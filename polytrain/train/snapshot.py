@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 from polytrain.errors import CheckpointError
-from polytrain.train.checkpoint import check_checkpoint, latest_checkpoint
+from polytrain.checkpoint import check_checkpoint, latest_checkpoint
 
 SHARED_MEMORY = Path("/dev/shm")
 

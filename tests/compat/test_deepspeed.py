@@ -1,6 +1,7 @@
 """A DeepSpeed ZeRO-2 script written for CUDA runs unmodified on two CPU ranks under
-`polytrain run --nproc 2`, with DeepSpeed's own CPU support doing the work (the shim points
-it there through DS_ACCELERATOR)."""
+`polytrain run --nproc 2`: with DeepSpeed's own CPU support doing the work (the shim points it
+there through DS_ACCELERATOR), and with DeepSpeed's CUDA accelerator selected, where the shim
+carries every CUDA call it makes."""
 
 import math
 import os
@@ -16,9 +17,12 @@ pytest.importorskip("deepspeed", reason="the compat test extra installs DeepSpee
 SCRIPT = Path(__file__).parent / "programs" / "deepspeed_zero2_cuda.py"
 
 
-def test_zero2_script_trains_on_two_cpu_ranks():
+@pytest.mark.parametrize("selected", [None, "cuda"])
+def test_zero2_script_trains_on_two_cpu_ranks(selected):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("DS_ACCELERATOR", None)  # the shim must choose it
+    env.pop("DS_ACCELERATOR", None)  # None: the shim must choose it
+    if selected:
+        env["DS_ACCELERATOR"] = selected
     # On its first run on a machine DeepSpeed compiles its shared-memory collectives for the
     # CPU (a minute or more on two cores); later runs load them from torch's extension cache.
     proc = subprocess.run([sys.executable, "-m", "polytrain.cli", "run", "--nproc", "2", str(SCRIPT),
@@ -29,5 +33,7 @@ def test_zero2_script_trains_on_two_cpu_ranks():
     assert losses[-1] < losses[0] - 1.0, losses
     ranks = re.findall(r"rank (\d) zero_stage (\d) accelerator (\w+) backend (\w+) "
                        r"params (-?\d+\.\d{6})", proc.stdout)
-    assert sorted(r[:4] for r in ranks) == [("0", "2", "cpu", "gloo"), ("1", "2", "cpu", "gloo")]
+    accelerator = selected or "cpu"
+    assert sorted(r[:4] for r in ranks) == [("0", "2", accelerator, "gloo"),
+                                            ("1", "2", accelerator, "gloo")]
     assert ranks[0][4] == ranks[1][4]  # ZeRO-2 all-gathered the same updated weights to both

@@ -1,5 +1,6 @@
-"""A nanoGPT-style trainer written for CUDA runs unmodified under `polytrain run`, and its
-losses equal those of the same script hand-edited for the CPU."""
+"""A nanoGPT-style trainer written for CUDA runs unmodified under `polytrain run`, eager and
+under torch.compile (inductor's C++ backend), and its losses equal those of the same script
+hand-edited for the CPU; the shim adds no graph break."""
 
 import os
 import re
@@ -9,59 +10,45 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parent / "programs" / "nanogpt_cuda.py"
+from tests.compat.programs.nanogpt_cpu_port import SCRIPT, port_to_cpu
 
-# What a person changes to port the script to the CPU by hand, keeping its numerics: each
-# (old, new) must occur exactly once, so the test fails if the script drifts from its port.
-CPU_EDITS = [
-    ("import inspect\n", "import inspect\nimport resource\nimport time\n"),
-    ("device = 'cuda'\n", "device = 'cpu'\n"),
-    ("dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float16'",
-     "dtype = 'bfloat16'  # every CPU autocasts to bf16"),
-    ("init_process_group(backend='nccl')", "init_process_group(backend='gloo')"),
-    ("device = f'cuda:{ddp_local_rank}'\n    torch.cuda.set_device(device)\n", "device = 'cpu'\n"),
-    ("ctx = nullcontext() if device_type == 'cpu' else torch.amp.autocast(",
-     "ctx = torch.amp.autocast("),
-    ("torch.cuda.amp.GradScaler(enabled=", "torch.amp.GradScaler('cpu', enabled="),
-    ("DDP(model, device_ids=[ddp_local_rank])", "DDP(model)"),
-    ("    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)\n"
-     "    start.record()\n", "    t0 = time.perf_counter()\n"),
-    ("    end.record()\n    torch.cuda.synchronize()\n    dt = start.elapsed_time(end)\n",
-     "    dt = (time.perf_counter() - t0) * 1000\n"),
-    ("torch.cuda.max_memory_allocated() / 2**20",
-     "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10"),
-]
 LINE = re.compile(r"iter (\d+): loss (\S+), time (\S+)ms, mem (\d+)MiB, dtype (\w+)")
 
 
 @pytest.fixture(scope="module")
 def cpu_script(tmp_path_factory) -> Path:
-    text = SCRIPT.read_text()
-    for old, new in CPU_EDITS:
-        assert text.count(old) == 1, f"the CPU port's edit no longer applies: {old!r}"
-        text = text.replace(old, new)
-    assert "torch.cuda." not in text  # the port is complete
     path = tmp_path_factory.mktemp("nanogpt") / "nanogpt_cpu.py"
-    path.write_text(text)
+    path.write_text(port_to_cpu(SCRIPT.read_text()))
     return path
 
 
-def train(argv: list[str]) -> list[tuple[float, float, int, str]]:
+@pytest.fixture(scope="module")
+def inductor_cache(tmp_path_factory) -> Path:
+    """One inductor cache for both runs of a test, shared with no other process."""
+    return tmp_path_factory.mktemp("inductor")
+
+
+def train(argv: list[str], cache: Path) -> list[tuple[float, float, int, str]]:
     """Run a trainer; returns (loss, ms, MiB, dtype) per iteration."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # both runs on the same threads: same sums
+    # Both runs on the same threads (same sums); Dynamo logs each graph break it makes.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_LOGS": "graph_breaks",
+           "TORCHINDUCTOR_CACHE_DIR": str(cache)}
     proc = subprocess.run([sys.executable, *argv, "--max_iters=12"], capture_output=True, text=True,
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr
+    assert "Graph break" not in proc.stderr, proc.stderr[-3000:]
     rows = [(float(m[2]), float(m[3]), int(m[4]), m[5]) for m in LINE.finditer(proc.stdout)]
     assert len(rows) == 12, proc.stdout
     return rows
 
 
-@pytest.mark.parametrize("dtype", [None, "float16"])
-def test_losses_equal_the_hand_ported_cpu_script(dtype, cpu_script):
-    extra = [f"--dtype={dtype}"] if dtype else []
-    shimmed = train(["-m", "polytrain.cli", "run", str(SCRIPT), *extra])
-    ported = train([str(cpu_script), *extra])
+# Eager with the dtype the script picks by itself (bf16: is_bf16_supported() under the shim),
+# and nanoGPT's default torch.compile with fp16 autocast and GradScaler.
+@pytest.mark.parametrize("dtype, compiled", [(None, False), ("float16", True)])
+def test_losses_equal_the_hand_ported_cpu_script(dtype, compiled, cpu_script, inductor_cache):
+    extra = [f"--compile={compiled}"] + ([f"--dtype={dtype}"] if dtype else [])
+    shimmed = train(["-m", "polytrain.cli", "run", str(SCRIPT), *extra], inductor_cache)
+    ported = train([str(cpu_script), *extra], inductor_cache)
     # is_available() and is_bf16_supported() are True under the shim, so the script picks
     # bf16 by itself; fp16 runs GradScaler's scaling, unscale_ and step on the CPU.
     assert {row[3] for row in shimmed} == {dtype or "bfloat16"}

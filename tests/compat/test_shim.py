@@ -66,7 +66,7 @@ def test_map_location_and_checkpoints_saved_on_a_gpu(shim, tmp_path, monkeypatch
     with monkeypatch.context() as m:
         m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
         torch.save({"w": torch.arange(4.0)}, path)
-    for location in (None, "cuda", "cuda:1", torch.device("cuda", 0), 0, {"cuda:0": "cuda:1"}):
+    for location in (None, "cuda", "cuda:1", torch.device("cuda", 0), {"cuda:0": "cuda:1"}):
         loaded = torch.load(path, map_location=location)
         assert torch.equal(loaded["w"], torch.arange(4.0)) and loaded["w"].device.type == "cpu"
 
@@ -193,10 +193,10 @@ def test_nvtx_ranges_become_profiler_ranges(shim):
 
 @pytest.mark.parametrize("preset", [None, "cuda"])
 def test_deepspeed_is_pointed_at_its_own_cpu_support(preset, monkeypatch):
+    import os
+
     from polytrain.backend import CPUAccelerator
     from polytrain.backend.compat import install, uninstall
-
-    import os
 
     if preset:
         monkeypatch.setenv("DS_ACCELERATOR", preset)

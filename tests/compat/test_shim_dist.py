@@ -58,3 +58,14 @@ def test_device_mesh_and_fsdp_take_cuda_arguments(group):
         model = FullyShardedDataParallel(torch.nn.Linear(4, 4).cuda(), device_id=device_id)
         model(torch.randn(2, 4, device="cuda")).sum().backward()
         assert all(p.grad is not None for p in model.parameters())
+
+
+def test_nccls_premul_sum_runs_as_scale_then_sum(group):
+    # FSDP2 reduce-scatters with PREMUL_SUM once a gradient divide factor is set (torchtitan).
+    op = dist.ReduceOp.PREMUL_SUM(0.25)
+    t = torch.full((4,), 2.0, device="cuda")
+    dist.all_reduce(t, op=op)
+    assert torch.equal(t, torch.full((4,), 0.5))
+    source, out = torch.arange(4.0), torch.empty(4)
+    dist.reduce_scatter_tensor(out, source, op=op)
+    assert torch.equal(out, torch.arange(4.0) / 4) and torch.equal(source, torch.arange(4.0))

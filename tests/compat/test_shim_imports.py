@@ -105,9 +105,12 @@ def test_uninstall_restores_torch():
         "amp_module": sys.modules["torch.cuda.amp"],
     }
     tensor_methods = {name: vars(torch.Tensor).get(name) for name in ("to", "cuda", "pin_memory")}
+    depth = torch._C._len_torch_function_stack()
     install(CPUAccelerator())
-    assert torch.cuda is not originals["cuda"] and torch.zeros is not originals["zeros"]
+    assert torch.cuda is not originals["cuda"]
+    assert torch._C._len_torch_function_stack() == depth + 1  # the device mode
     uninstall()
+    assert torch._C._len_torch_function_stack() == depth
     assert torch.cuda is originals["cuda"] is sys.modules["torch.cuda"]
     assert sys.modules["torch.cuda.amp"] is originals["amp_module"]
     assert torch.zeros is originals["zeros"] and torch.load is originals["load"]

@@ -88,7 +88,9 @@ def test_lost_workers_coming_back_grow_the_job_from_two_to_four(small_corpus, tm
 
 
 def test_a_global_batch_a_smaller_world_cannot_keep_is_refused(small_corpus, tmp_path, capsys):
-    args = tiny_overrides(small_corpus, tmp_path, train__global_batch_size=30, train__micro_batch_size=2)
+    """One head and one block leave data parallelism as the only layout: 30 sequences do not split over 4."""
+    args = tiny_overrides(small_corpus, tmp_path, train__global_batch_size=30, train__micro_batch_size=2,
+                          model__n_heads=1, model__n_kv_heads=1, model__n_layers=1)
     assert main(["train", *args, "--parallel.nproc", "2:4"]) == 2
     assert ("error: train.global_batch_size = 30 cannot stay the same at 4 worker(s) of parallel.nproc = 2:4; "
             "world sizes that keep it: 1, 2, 3, 5, 6; global batches every size 2..4 keeps: 24 or 36") \

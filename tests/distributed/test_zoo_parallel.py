@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from polytrain.config import ModelConfig
-from tests.multirank import run_ranks
+from tests.multirank import run_ranks, tp_parallelize
 
 pytestmark = pytest.mark.slow
 
@@ -66,9 +66,8 @@ def _compare(rank: int, world_size: int, arch: str, sp: bool, overrides: dict) -
     ref = ARCHITECTURES[arch].build(cfg)
     init_plain(ref, 0)
     dims = ParallelDims(world_size=world_size, dp_replicate=1, dp_shard=1, zero=0, tp=world_size, sp=sp)
-    mesh = dims.build_mesh("cpu")
     model = copy.deepcopy(ref)
-    ctx = ARCHITECTURES[arch].parallelize(model, dims, mesh)
+    ctx, mesh = tp_parallelize(model, dims)
     args, targets = _inputs(cfg)
 
     ref_logits = ref(*args)
@@ -221,8 +220,7 @@ def _dropout(rank: int, world_size: int, archs: list[str]) -> None:
 
         attention.core = spy  # before parallelize, which runs it in the per-rank stream
         dims = ParallelDims(world_size=world_size, dp_replicate=1, dp_shard=1, zero=0, tp=world_size, sp=False)
-        mesh = dims.build_mesh("cpu")
-        ctx = ARCHITECTURES[arch].parallelize(model, dims, mesh)
+        ctx, mesh = tp_parallelize(model, dims)
         args, targets = _inputs(cfg)
         outs = []
         hooks = [b.register_forward_hook(lambda m, i, o, outs=outs: outs.append(o)) for b in model.layers.values()]
@@ -240,7 +238,8 @@ def _dropout(rank: int, world_size: int, archs: list[str]) -> None:
 
 def _cross_entropy_ignores(rank: int, world_size: int) -> None:
     """The vocabulary-parallel loss of targets with -100 entries equals F.cross_entropy's (the
-    mean over scored tokens), and so does the gradient of every rank's logits; NaN when none is scored."""
+    mean over scored tokens), and so does the gradient of every rank's logits; NaN when none is scored.
+    Per-token log-probabilities equal log_softmax's, gradients too."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -262,6 +261,18 @@ def _cross_entropy_ignores(rank: int, world_size: int) -> None:
     torch.testing.assert_close(local.grad, logits.grad[..., start:end])
     none = torch.full_like(targets, -100)
     assert vocab_parallel_cross_entropy(local, none, start, dist.group.WORLD).isnan()
+    # Per-token log-probabilities (RLHF's): values and gradients of a weighted sum, as log_softmax's.
+    from polytrain.distributed.tensor_parallel import vocab_parallel_token_logprobs
+
+    sampled = torch.randint(0, V, (2, 6), generator=g)
+    weights = torch.randn(2, 6, generator=g)
+    local.grad, logits.grad = None, None
+    logp = vocab_parallel_token_logprobs(local, sampled, start, dist.group.WORLD)
+    (logp * weights).sum().backward()
+    ref_logp = F.log_softmax(logits, -1).gather(-1, sampled[..., None])[..., 0]
+    (ref_logp * weights).sum().backward()
+    torch.testing.assert_close(logp, ref_logp)
+    torch.testing.assert_close(local.grad, logits.grad[..., start:end])
 
 
 def _dropout_and_loss(rank: int, world_size: int, archs: list[str]) -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from polytrain.config import ConfigError, load_config
+from polytrain.config import load_config
+from polytrain.errors import ConfigError
 from polytrain.data.batch_schedule import BatchSchedule
-from polytrain.distributed.topology import ParallelDims
+from polytrain.train.startup import plan_layout
 
 
 def test_sizes_by_consumed_samples():
@@ -35,17 +36,18 @@ def test_sizes_by_consumed_samples():
                                               "train.micro_batch_size x dp = 8 x 1 = 8"),
 ])
 def test_bad_ramp_ups_name_the_key(args, message):
+    cfg = load_config(None, ["--train.global_batch_size", "64", *args])
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-        load_config(None, ["--train.global_batch_size", "64", *args])
+        plan_layout(cfg, 1)  # the start-up check, which the command line runs before any worker
 
 
 def test_ramp_up_checked_against_the_world_and_the_pipeline():
     ramp = ["--train.global_batch_size", "64", "--train.micro_batch_size", "4", "--train.batch_rampup_start",
             "16", "--train.batch_rampup_increment", "16", "--train.batch_rampup_samples", "300"]
-    ParallelDims.from_config(load_config(None, ramp), 4)
+    plan_layout(load_config(None, ramp), 4)
     with pytest.raises(ConfigError, match="not a multiple of train.micro_batch_size x dp = 4 x 8 = 32"):
-        ParallelDims.from_config(load_config(None, ramp), 8)
+        plan_layout(load_config(None, ramp), 8)
     pipeline = ramp + ["--parallel.pp", "2", "--model.n_layers", "4"]
     with pytest.raises(ConfigError, match="set parallel.pp_microbatches"):
-        ParallelDims.from_config(load_config(None, pipeline), 4)  # 16/(4x2) = 2 does not split runs of 8
-    ParallelDims.from_config(load_config(None, pipeline + ["--parallel.pp_microbatches", "2"]), 4)
+        plan_layout(load_config(None, pipeline), 4)  # 16/(4x2) = 2 does not split runs of 8
+    plan_layout(load_config(None, pipeline + ["--parallel.pp_microbatches", "2"]), 4)

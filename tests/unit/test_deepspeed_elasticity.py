@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from polytrain.config import ConfigError, load_config
+from polytrain.config import load_config
+from polytrain.errors import ConfigError
 from polytrain.deepspeed import load_ds_config, to_overrides
 from polytrain.deepspeed.elasticity import elastic_batch, highly_composite_numbers
 

@@ -11,12 +11,12 @@ import pytest
 
 from polytrain.cli import main
 from polytrain.config import load_config
-from polytrain.distributed.topology import ParallelDims
 from polytrain.errors import ConfigError
 from polytrain.plan import Cluster, device_spec, evaluate, model_shape, plan
 from polytrain.plan.devices import GiB, parse_link, parse_rate, parse_size, with_overrides
 from polytrain.plan.layouts import Layout, layout_from_config
 from polytrain.plan.memory import chunk_tokens, in_flight
+from polytrain.train.startup import plan_layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/ is not installed
 from benchmarks.tp_comm import analytic_bytes  # noqa: E402
@@ -55,7 +55,7 @@ def test_proposed_layouts_are_config_keys_start_up_accepts():
         overrides = [item for k, v in keys.items() if "." in k
                      for item in (f"--{k}", str(v).lower() if isinstance(v, bool) else str(v))]
         run = load_config(None, ["--model.size", "small", "--train.global_batch_size", "16", *overrides])
-        ParallelDims.from_config(run, 4)  # what the plan proposes, start-up runs
+        plan_layout(run, 4)  # what the plan proposes, start-up runs
         assert layout_from_config(run, 4) == estimate.layout
 
 

@@ -6,6 +6,10 @@
 Users reach it through `polytrain run SCRIPT`, `python -m polytrain.compat SCRIPT` or
 `import polytrain.compat.auto`; docs/COMPAT.md says what is mapped and what is not.
 
+torch's own functions stay torch's: devices named in torch calls are mapped by a
+TorchFunctionMode (mode.py), so torch.compile, TorchScript and FX see the real functions, and
+every torch.cuda name that is a class upstream stays a class (facade.py, standins.py).
+
 The one policy everything follows: under the shim, torch.cuda *is* the active accelerator.
 `torch.cuda.is_available()` answers whether the accelerator is usable (always True on the CPU),
 `device_count()` how many devices it has (the CPU counts one per local rank), and every other
@@ -24,7 +28,7 @@ from dataclasses import dataclass, field
 
 from polytrain.backend import get_accelerator
 from polytrain.backend.base import Accelerator
-from polytrain.backend.compat import devices, dist, extensions, facade
+from polytrain.backend.compat import amp, bindings, devices, dist, extensions, facade, mode
 from polytrain.backend.compat.patcher import Patcher
 from polytrain.errors import CompatError
 
@@ -77,12 +81,15 @@ def install(accelerator: Accelerator | None = None) -> Shim | None:
     patcher = Patcher()
     try:
         dm = devices.DeviceMap(acc)
-        facade.install(patcher, dm)
+        cuda = facade.install(patcher, dm)
         devices.install(patcher, dm)
+        amp.install(patcher, dm)
+        bindings.install(patcher, dm, cuda)
         dist.install(patcher, dm)
         extensions.install(patcher, acc.name)
         shim = Shim(acc, patcher)
         shim.rebound = patcher.rebind_imported_names()
+        mode.install(patcher, dm)  # last: nothing above may run torch calls under it half-built
     except BaseException:
         patcher.undo()  # never leave torch half-patched
         raise

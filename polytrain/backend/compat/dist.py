@@ -1,7 +1,8 @@
 """NCCL, as CUDA code names it, becomes the accelerator's collective library.
 
 `init_process_group("nccl")`, `new_group(backend="nccl")` (and the subgroup helpers), backend
-strings such as "cpu:gloo,cuda:nccl", `is_nccl_available()`, `barrier(device_ids=...)`,
+strings such as "cpu:gloo,cuda:nccl", `is_nccl_available()`, `barrier(device_ids=...)`, NCCL's
+PREMUL_SUM reduce op,
 DDP's and FSDP's device arguments, and DeviceMesh device types. `dist.get_backend()` still
 reports the library really in use (e.g. 'gloo'): torch decides from it where collective
 buffers live, so disguising it would break torch itself.
@@ -37,6 +38,31 @@ def map_backend(backend: Any, dm: DeviceMap) -> Any:
     return ",".join(parts)
 
 
+# Collectives that take a reduce op: (function, the argument holding its input, in place?).
+PREMUL_SUM_OPS = (
+    ("all_reduce", "tensor", True), ("reduce", "tensor", True),
+    ("all_reduce_coalesced", "tensors", True), ("reduce_scatter", "input_list", False),
+    ("reduce_scatter_tensor", "input", False), ("reduce_scatter_single", "input", False),
+)
+
+
+def _premul_sum_args(key: str, in_place: bool) -> Any:
+    def transform(arguments: dict[str, Any]) -> None:
+        op = arguments.get("op")
+        if getattr(op, "op", None) != dist.ReduceOp.PREMUL_SUM:
+            return  # a plain op (RedOpType) or one the library has
+        factor, value = op.factor, arguments[key]
+        tensors = value if isinstance(value, (list, tuple)) else [value]
+        if in_place:
+            for tensor in tensors:
+                tensor.mul_(factor)
+        else:
+            scaled = [tensor * factor for tensor in tensors]
+            arguments[key] = scaled if isinstance(value, (list, tuple)) else scaled[0]
+        arguments["op"] = dist.ReduceOp.SUM
+    return transform
+
+
 def install(p: Patcher, dm: DeviceMap) -> None:
     """Patch torch.distributed so CUDA collectives reach the accelerator's library."""
     indexed = dm.indexed
@@ -54,6 +80,12 @@ def install(p: Patcher, dm: DeviceMap) -> None:
                  "new_subgroups_by_enumeration"):
         p.wrap_arguments(owners, name, group_args)
 
+    # NCCL's PREMUL_SUM(f) (FSDP2 reduce-scatters with it once a gradient divide factor is set):
+    # scale by f, then SUM, which every library has. In-place ops scale their own tensor, which
+    # the collective overwrites anyway; the others reduce a scaled copy.
+    for name, key, in_place in PREMUL_SUM_OPS:
+        p.wrap_arguments(owners, name, _premul_sum_args(key, in_place))
+
     def barrier_args(arguments: dict[str, Any]) -> None:
         arguments.pop("device_ids", None)  # only NCCL takes device_ids
 
@@ -66,9 +98,9 @@ def install(p: Patcher, dm: DeviceMap) -> None:
     for name in ("broadcast_object_list", "send_object_list", "recv_object_list"):
         p.wrap_arguments(owners, name, object_args)
 
-    library_available = lambda: dist.is_backend_available(dm.acc.dist_backend)  # noqa: E731
-    for owner in owners:
-        p.set(owner, "is_nccl_available", library_available)
+    # Only the public name: torch's own c10d code reads its module global as "ProcessGroupNCCL
+    # exists" (inductor's timeout bump under torch.compile) and must keep the truth.
+    p.set(dist, "is_nccl_available", lambda: dist.is_backend_available(dm.acc.dist_backend))
 
     def ddp_args(arguments: dict[str, Any]) -> None:
         for key in ("device_ids", "output_device"):

@@ -8,8 +8,11 @@ Each public name of the real torch.cuda resolves, in this order, to
 2. the accelerator's device module's attribute of that name (torch.xpu.X, HostDevice.X, ...),
    with CUDA device arguments ('cuda:1', torch.device('cuda')) mapped;
 3. the real object where it does not depend on the device (exception classes);
-4. an `Unmapped` stand-in whose use raises CompatError naming the call and why.
-Private names fall through to the real module, so torch's own helpers keep working.
+4. a stand-in (standins.py) whose use raises CompatError naming the call and why.
+A name that is a type upstream resolves to a type at every step (Stream, Event, StreamContext,
+device, CUDAGraph, MemPool, ...), so isinstance checks, `X | None` annotations and subclasses
+work; Dynamo relies on it. Private names fall through to the real module, so torch's own
+helpers keep working.
 """
 
 from __future__ import annotations
@@ -25,61 +28,7 @@ import torch
 
 from polytrain.backend.compat.devices import DeviceMap
 from polytrain.backend.compat.patcher import Patcher
-from polytrain.errors import CompatError
-
-# Why a torch.cuda name has no counterpart, by name or by submodule.
-_REASONS = {
-    "CUDAGraph": "CUDA graphs capture and replay GPU kernels; there is no capture to map them onto",
-    "graph": "CUDA graphs capture and replay GPU kernels; there is no capture to map them onto",
-    "graph_pool_handle": "CUDA graphs capture and replay GPU kernels",
-    "cudart": "it calls the CUDA runtime library itself",
-    "check_error": "it checks CUDA runtime error codes",
-    "current_blas_handle": "it returns a cuBLAS handle",
-    "current_solver_handle": "it returns a cuSOLVER handle",
-    "get_gencode_flags": "it reports nvcc code-generation flags",
-    "ExternalStream": "it wraps a raw cudaStream_t",
-    "get_stream_from_external": "it wraps a raw cudaStream_t",
-    "MemPool": "it configures CUDA's caching allocator",
-    "use_mem_pool": "it configures CUDA's caching allocator",
-    "CUDAPluggableAllocator": "it replaces CUDA's caching allocator",
-    "change_current_allocator": "it replaces CUDA's caching allocator",
-    "caching_allocator_alloc": "it allocates from CUDA's caching allocator",
-    "caching_allocator_delete": "it frees into CUDA's caching allocator",
-    "_record_memory_history": "it records CUDA caching-allocator history",
-    "_snapshot": "it snapshots CUDA's caching allocator",
-    "_dump_snapshot": "it snapshots CUDA's caching allocator",
-    "nccl": "torch.cuda.nccl calls NCCL on CUDA tensors; use torch.distributed, which the shim maps",
-    "jiterator": "jiterator compiles CUDA C++ at run time",
-    "tunable": "TunableOp tunes cuBLAS/hipBLASLt kernels",
-    "gds": "GPUDirect Storage reads files into CUDA memory",
-    "green_contexts": "green contexts partition CUDA streaming multiprocessors",
-    "sparse": "it selects cuSPARSE kernels",
-}
-_TELEMETRY = ("utilization", "temperature", "power_draw", "clock_rate", "device_memory_used",
-              "list_gpu_processes", "memory_usage")
-
-
-class Unmapped:
-    """Stands in for a torch.cuda name the accelerator has no counterpart for: importing it
-    works (so modules that merely mention it load), using it raises CompatError."""
-
-    def __init__(self, qualname: str, target: str, reason: str) -> None:
-        self._qualname, self._target, self._reason = qualname, target, reason
-
-    def _error(self) -> CompatError:
-        return CompatError(f"{self._qualname} cannot run on {self._target} under polytrain's "
-                           f"CUDA shim: {self._reason} (docs/COMPAT.md lists what is mapped)")
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._error()
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise self._error()
-
-    def __repr__(self) -> str:
-        return f"<{self._qualname}: unmapped on {self._target}>"
+from polytrain.backend.compat.standins import reason_for, standin
 
 
 class CudaFacade(ModuleType):
@@ -95,6 +44,10 @@ class CudaFacade(ModuleType):
     def __getattr__(self, name: str) -> Any:
         # Only reached for names not set at install: private helpers of the real module.
         return getattr(self.__polytrain_real__, name)
+
+
+# Device-independent types kept as they are: CUDA status codes.
+_CONSTANTS = ("cudaStatus",)
 
 
 def _map_args(dm: DeviceMap, fn: Callable) -> Callable:
@@ -131,6 +84,31 @@ def _device_overrides(dm: DeviceMap, dev: Any) -> dict[str, Any]:
         def __exit__(self, *exc: object) -> None:
             dev.set_device(self.prev_idx)
 
+    class device_of(device):  # noqa: N801
+        """The device of a tensor made current; a no-op for tensors off the accelerator."""
+
+        def __init__(self, obj: torch.Tensor) -> None:
+            super().__init__(obj.get_device() if obj.device.type == dm.type and dm.indexed else -1)
+
+    overrides = {"device": device, "device_of": device_of}
+    if not isinstance(getattr(dev, "StreamContext", None), type):
+        class StreamContext:
+            """Context manager that makes a stream current, like torch.cuda.StreamContext."""
+
+            def __init__(self, stream: Any) -> None:
+                self.stream = stream
+
+            def __enter__(self) -> None:
+                self.prev = dev.current_stream()
+                if self.stream is not None:
+                    dev.set_stream(self.stream)
+
+            def __exit__(self, *exc: object) -> None:
+                if self.stream is not None:
+                    dev.set_stream(self.prev)
+
+        overrides.update(StreamContext=StreamContext, stream=StreamContext)
+
     def get_device_capability(device: Any = None) -> tuple[int, int]:
         # Only a (major, minor) pair is a CUDA capability; anything else (torch.xpu answers
         # with a dict) reads as (0, 0), "no CUDA architecture", so CUDA-only kernels are skipped.
@@ -152,8 +130,7 @@ def _device_overrides(dm: DeviceMap, dev: Any) -> dict[str, Any]:
         "_get_device_index": lambda device, optional=False, allow_cpu=False: (
             dev.current_device() if dm.index(device) is None else dm.index(device)),
         "set_device": set_device,
-        "device": device,
-        "device_of": lambda obj: device(None),
+        **overrides,
         "get_device_capability": get_device_capability,
         "is_bf16_supported": lambda including_emulation=True: (
             torch.bfloat16 in acc.autocast_dtypes()),
@@ -286,19 +263,18 @@ def install(p: Patcher, dm: DeviceMap) -> CudaFacade:
             return own[name]
         if suffix and id(value) in mapped:  # e.g. torch.cuda.memory.memory_allocated
             return mapped[id(value)]
-        if isinstance(value, type) and issubclass(value, BaseException):
+        if isinstance(value, type) and (issubclass(value, BaseException) or name in _CONSTANTS):
             return value
-        if not suffix and hasattr(dev, name):
-            forwarded = getattr(dev, name)
+        forwarded = getattr(dev, name, None) if not suffix else None
+        if forwarded is not None and isinstance(forwarded, type) == isinstance(value, type):
             if callable(forwarded) and not isinstance(forwarded, type):
                 return _map_args(dm, forwarded)
             return forwarded
-        if host_tensor_types and name.endswith(("Tensor", "Storage")) and hasattr(torch, name):
-            return getattr(torch, name)
-        reason = (_REASONS.get(name) or _REASONS.get(suffix.split(".")[0])
-                  or ("it reads NVIDIA/AMD management-library telemetry" if name in _TELEMETRY
-                      else f"the {target} device module has no `{name}`"))
-        return Unmapped(f"{module.__name__}.{name}", target, reason)
+        if host_tensor_types and name.endswith(("Tensor", "Storage")):
+            legacy = torch.sparse if suffix == "sparse" else torch
+            if isinstance(getattr(legacy, name, None), type):
+                return getattr(legacy, name)
+        return standin(f"{module.__name__}.{name}", target, reason_for(name, suffix, target), value)
 
     facades: dict[str, CudaFacade] = {}
     for module_name in _facaded_modules():

@@ -91,6 +91,10 @@ class Patcher:
             self.note_replacement(original, value)
         return original
 
+    def on_undo(self, restore: Callable[[], None]) -> None:
+        """Run `restore` on undo, in reverse order with the attribute changes."""
+        self._undo.append(restore)
+
     def note_replacement(self, original: Any, new: Any) -> None:
         """Let `rebind_imported_names` replace `original` wherever a module imported it."""
         self.replacements[id(original)] = (original, new)

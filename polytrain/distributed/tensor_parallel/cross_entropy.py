@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from polytrain.distributed.collectives import all_reduce
-from polytrain.distributed.tensor_parallel.context import shard_range
+from polytrain.distributed.tensor_parallel.shards import shard_range
 
 IGNORE = -100
 
@@ -73,6 +73,15 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
     return torch.where(scored, losses, 0.0).sum() / scored.sum()
 
 
+def vocab_parallel_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
+                                  group) -> torch.Tensor:
+    """log p(targets) per token from local logits (B, T, V_local), rows from `vocab_start`: (B, T),
+    equal on every rank (RLHF's log-probabilities of sampled tokens under tp)."""
+    B, T = targets.shape
+    per_token = _VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), targets.flatten(), vocab_start, group)
+    return -per_token.view(B, T)
+
+
 def vocab_parallel_loss(mesh: DeviceMesh, vocab_size: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The trainer's loss_fn under tp: (logits (B, T, V/tp), targets (B, T)) -> scalar, equal on all tp ranks."""
     start, _ = shard_range(vocab_size, mesh.size(), mesh.get_local_rank())
@@ -82,3 +91,14 @@ def vocab_parallel_loss(mesh: DeviceMesh, vocab_size: int) -> Callable[[torch.Te
         return vocab_parallel_cross_entropy(logits, targets, start, group)
 
     return loss_fn
+
+
+def vocab_parallel_logprobs(mesh: DeviceMesh, vocab_size: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(logits (B, T, V/tp), targets (B, T)) -> log p(targets) (B, T) on the tp mesh, equal on all tp ranks."""
+    start, _ = shard_range(vocab_size, mesh.size(), mesh.get_local_rank())
+    group = mesh.get_group()
+
+    def logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_token_logprobs(logits, targets, start, group)
+
+    return logprobs

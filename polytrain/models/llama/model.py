@@ -93,14 +93,14 @@ class Llama(ModelBase):
         h = tokens  # a stage without the embedding receives hidden states (B, T, dim)
         if self.tok_embeddings is not None:
             h = self.dropout(self.tok_embeddings(tokens))  # (B, T, dim)
-        rope_cos, rope_sin, mask = self._attention_inputs(T, cache, start_pos, h.device)
+        rope_cos, rope_sin, mask = self.attention_inputs(T, cache, start_pos, h.device)
         for layer in self.layers.values():
             h = layer(h, rope_cos, rope_sin, cache, start_pos, mask)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
 
-    def _attention_inputs(self, seqlen: int, cache: KVCache | None, start_pos: int,
+    def attention_inputs(self, seqlen: int, cache: KVCache | None, start_pos: int,
                           device: torch.device):
         """RoPE cos/sin, (T, D/2) or per-row (B, T, D/2), and the attention mask (None = causal)."""
         positions = cache.positions(start_pos, seqlen, device) if cache is not None else None

@@ -10,6 +10,7 @@ import json.decoder
 import math
 import os
 import sys
+from ast import literal_eval
 from contextlib import nullcontext
 
 import torch
@@ -31,10 +32,16 @@ max_iters = 20
 weight_decay = 0.1
 grad_clip = 1.0
 device = 'cuda'
+compile = True  # use PyTorch 2.0 to compile the model to be faster
 dtype = 'bfloat16' if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else 'float16'
 for arg in sys.argv[1:]:  # nanoGPT's configurator: --key=value overrides a global
     key, val = arg[2:].split('=')
-    globals()[key] = type(globals()[key])(val) if not isinstance(globals()[key], str) else val
+    try:
+        val = literal_eval(val)
+    except (SyntaxError, ValueError):
+        pass  # a string
+    assert type(val) == type(globals()[key]), f"--{key}: expected {type(globals()[key]).__name__}"
+    globals()[key] = val
 # -----------------------------------------------------------------------------
 
 
@@ -125,7 +132,12 @@ def get_batch():
 model = GPT(len(chars))
 model.to(device)
 scaler = torch.cuda.amp.GradScaler(enabled=(dtype == 'float16'))
-optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=weight_decay)
+use_fused = 'fused' in inspect.signature(torch.optim.AdamW).parameters and device_type == 'cuda'
+optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=weight_decay,
+                              fused=use_fused)
+if compile:
+    print("compiling the model... (takes a ~minute)")
+    model = torch.compile(model)
 if ddp:
     model = DDP(model, device_ids=[ddp_local_rank])
 

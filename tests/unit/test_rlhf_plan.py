@@ -1,0 +1,63 @@
+"""Which steps run, and a step without the outputs it starts from as one line naming the step to run."""
+
+import pytest
+
+from polytrain.data import sort_task
+from polytrain.errors import ConfigError
+from polytrain.rlhf.plan import chat_dir, check_inputs, is_complete, mark_complete, parse_steps
+from polytrain.rlhf.task import builtin_tokenizer, task_data
+
+
+def test_parse_steps():
+    assert parse_steps("1,2,3") == ("sft", "reward", "ppo")
+    assert parse_steps("3, 1") == ("sft", "ppo")  # run order, whatever the order given
+    assert parse_steps("reward,grpo") == ("reward", "ppo")
+    for bad, message in (("4", "'4' is not a step"), ("", "names no step")):
+        with pytest.raises(ConfigError, match=message):
+            parse_steps(bad)
+
+
+def test_a_step_needs_the_steps_it_starts_from(tmp_path):
+    check_inputs(tmp_path, ("sft", "reward", "ppo"))  # all in one invocation: fine
+    with pytest.raises(ConfigError, match=r"step 3 \(ppo\) needs step 1 \(sft\).*--rlhf.steps 1,3$"):
+        check_inputs(tmp_path, ("ppo",))
+    mark_complete(tmp_path, "sft", {"step": 10})
+    assert is_complete(tmp_path, "sft")
+    with pytest.raises(ConfigError, match=r"step 3 \(ppo\) needs step 2 \(reward\), and .*reward holds no "
+                                          r"finished run; run it first: --rlhf.steps 2,3"):
+        check_inputs(tmp_path, ("ppo",))
+    mark_complete(tmp_path, "reward", {"step": 10})
+    check_inputs(tmp_path, ("ppo",))
+    assert chat_dir(tmp_path) == tmp_path / "sft"  # chat talks to the newest finished actor
+    mark_complete(tmp_path, "ppo", {"step": 10})
+    assert chat_dir(tmp_path) == tmp_path / "ppo"
+    assert chat_dir(tmp_path / "elsewhere") is None
+
+
+def test_builtin_task_data():
+    data = task_data([], None, seed=1, n_pairs=50, n_demos=20, noise=0.3)
+    demos, pairs = data.sources
+    assert demos.kind == "demos" and pairs.kind == "pairs" and len(pairs.rows) == 50
+    assert data.scorer is sort_task.task_score
+    tok = builtin_tokenizer(300)
+    row = pairs.rows[0]
+    assert tok.decode(tok.encode(row.prompt + row.chosen)) == row.prompt + row.chosen
+    assert len(tok.encode(row.chosen)) == len(row.chosen.split())  # one token per " d"
+    weighted = task_data([], [2.0, 1.0], seed=1, n_pairs=50, n_demos=20, noise=0.3)
+    assert [s.weight for s in weighted.sources] == [2.0, 1.0]
+
+
+def test_rlhf_keys_load_from_the_command_line_and_fail_one_line_each():
+    from polytrain.config import load_config, to_toml
+
+    cfg = load_config(None, ["--rlhf.steps", "3", "--rlhf.data", "a.jsonl,b.jsonl", "--rlhf.data_weights", "2,1",
+                             "--rlhf.data_split", "1,1,1", "--rlhf.algorithm", "grpo"])
+    assert (cfg.rlhf.steps, cfg.rlhf.data, cfg.rlhf.algorithm) == ("3", "a.jsonl,b.jsonl", "grpo")
+    assert cfg.rlhf.kl_coef == 0.1 and cfg.rlhf.lam == 0.95 and cfg.rlhf.reward_clip == 5.0  # DeepSpeed-Chat's
+    assert "[rlhf]" in to_toml(cfg)
+    for args, message in ((["--rlhf.group_size", "1"], "rlhf.group_size = 1 must be at least 2"),
+                          (["--rlhf.lam", "1.5"], r"rlhf.lam = 1.5 must be in \[0, 1\]"),
+                          (["--rlhf.algorithm", "dpo"], "rlhf.algorithm = 'dpo' is not one of"),
+                          (["--rlhf.max_new_tokens", "0"], "rlhf.max_new_tokens = 0 must be positive")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, args)

@@ -1,0 +1,86 @@
+"""Step 3's glue: experience from four models, and losses that move the actor the way the advantages say."""
+
+import copy
+
+import pytest
+import torch
+
+from polytrain.config import Config
+from polytrain.models.registry import model_config, resolve_model
+from polytrain.distributed.materialize import materialize
+from polytrain.models import ARCHITECTURES
+from polytrain.rlhf import losses
+from polytrain.config import RLHFConfig
+from polytrain.rlhf.ppo import Models, actor_objective, critic_objective, make_experience, sequence_kl
+from polytrain.rlhf.rollout import Sampling, rollout
+from polytrain.rlhf.value_head import attach_scalar_head
+
+
+def _model(seed, scalar=False):
+    cfg = Config(model=model_config("llama", dim=32, n_layers=2, n_heads=4, n_kv_heads=0, ffn_dim=64,
+                                    vocab_size=40, max_seq_len=32))
+    resolve_model(cfg)
+    with torch.device("meta"):
+        model = ARCHITECTURES["llama"].build(cfg.model)
+        if scalar:
+            attach_scalar_head(model)
+    materialize(model, torch.device("cpu"), seed=seed)
+    return model
+
+
+@pytest.fixture(scope="module")
+def setup():
+    actor = _model(1)
+    models = Models(actor=actor, reference=copy.deepcopy(actor), reward=_model(2, scalar=True),
+                    critic=_model(3, scalar=True))
+    prompts = [[5, 6, 7], [5, 6, 7], [8, 9], [8, 9]]  # GRPO groups of 2: one prompt each
+    roll = rollout(actor, prompts, [0, 1, 2, 3], step=0, seed=4, sampling=Sampling(max_new_tokens=5),
+                   stop_tokens={0}, pad_id=0)
+    return models, roll
+
+
+def test_ppo_experience_and_losses(setup):
+    models, roll = setup
+    exp = make_experience(roll, models, RLHFConfig())
+    mask = roll.mask
+    assert torch.equal(exp.old_logprobs, exp.ref_logprobs)  # the reference starts as the actor
+    assert sequence_kl(exp).abs().max() == 0
+    scores = losses.end_scores(models.reward(roll.ids), roll.lengths)
+    torch.testing.assert_close(exp.scores, scores.clamp(-5, 5))
+    torch.testing.assert_close(exp.returns, (exp.advantages + exp.old_values) * mask)
+    assert (exp.advantages[~mask] == 0).all() and (exp.advantages[mask] != 0).any()
+    count = float(mask.sum())
+    loss, stats = actor_objective(models.actor, exp, RLHFConfig(), count)
+    # On-policy, ratio 1: the surrogate is -mean(A) and nothing is clipped.
+    assert loss.item() == pytest.approx(-losses.masked_mean(exp.advantages, mask).item(), rel=1e-4, abs=1e-6)
+    assert stats["clip_frac"].item() == 0
+    value = critic_objective(models.critic, exp, RLHFConfig(), count)
+    want = 0.5 * losses.masked_mean((exp.old_values - exp.returns) ** 2, mask)
+    assert value.item() == pytest.approx(want.item(), rel=1e-4)
+
+
+def test_a_step_raises_the_likelihood_of_advantaged_tokens(setup):
+    models, roll = setup
+    actor = copy.deepcopy(models.actor)
+    exp = make_experience(roll, Models(actor, models.reference, models.reward, models.critic), RLHFConfig())
+    opt = torch.optim.SGD(actor.parameters(), lr=0.5)
+    loss, _ = actor_objective(actor, exp, RLHFConfig(), float(roll.mask.sum()))
+    loss.backward()
+    opt.step()
+    with torch.no_grad():
+        new = losses.token_logprobs(actor(roll.ids[:, :-1]), roll.ids[:, 1:])
+    change = ((new - exp.old_logprobs) * exp.advantages)[roll.mask].sum()
+    assert change > 0  # first-order: the step moves log pi along the advantages
+
+
+def test_grpo_experience_normalises_within_groups(setup):
+    models, roll = setup
+    settings = RLHFConfig(algorithm="grpo", group_size=2)
+    exp = make_experience(roll, Models(models.actor, models.reference, models.reward), settings)
+    per_sample = torch.stack([exp.advantages[b][roll.mask[b]][0] for b in range(4)])  # one value per row
+    assert torch.allclose(per_sample.view(2, 2).sum(1), torch.zeros(2), atol=1e-5)
+    for b in range(4):  # every response token carries its sample's advantage
+        assert torch.allclose(exp.advantages[b][roll.mask[b]], per_sample[b])
+    loss, stats = actor_objective(models.actor, exp, settings, float(roll.mask.sum()))
+    assert stats["kl_loss"].item() == pytest.approx(0.0, abs=1e-6)  # the actor is still the reference
+    assert exp.old_values is None
