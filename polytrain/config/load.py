@@ -208,9 +208,10 @@ def validate(cfg: Config) -> None:
         )
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 0 or cfg.checkpoint.snapshot_every < 0:
         raise ConfigError("checkpoint.every, checkpoint.keep and checkpoint.snapshot_every must be >= 0")
-    if cfg.parallel.nproc_min > cfg.parallel.nproc or cfg.parallel.max_restarts < 0:
-        raise ConfigError(f"parallel.nproc_min = {cfg.parallel.nproc_min} must be at most parallel.nproc = "
-                          f"{cfg.parallel.nproc}, and parallel.max_restarts >= 0")
+    p = cfg.parallel
+    if p.nproc_min > p.nproc or p.max_restarts < 0 or (p.nproc_start and not p.nproc_min <= p.nproc_start <= p.nproc):
+        raise ConfigError(f"parallel.nproc_min = {p.nproc_min} <= parallel.nproc_start = {p.nproc_start} <= "
+                          f"parallel.nproc = {p.nproc} must hold (nproc_start 0 = nproc), and parallel.max_restarts >= 0")
     if cfg.data.sources and cfg.data.source != DataConfig().source:
         raise ConfigError("data.source and data.sources are both set; data.sources blends several corpora "
                           "in place of data.source: keep one")

@@ -187,6 +187,8 @@ class ParallelConfig:
     """Local worker processes to start (through torch's elastic launcher); 1 = this process; MIN:MAX = elastic."""
     nproc_min: int = 0
     """Elastic: fewest workers the job goes on with (set by --parallel.nproc MIN:MAX); 0 = not elastic."""
+    nproc_start: int = 0
+    """Elastic: workers to start with (0 = parallel.nproc); SIGUSR1 to the launcher grows the job to parallel.nproc."""
     elastic: bool = False
     """Re-derive the layout and micro-batch for whatever world an elastic agent starts, keeping the global
     batch (set by --parallel.nproc MIN:MAX; under torchrun --nnodes MIN:MAX set it yourself)."""

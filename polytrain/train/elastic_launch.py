@@ -1,7 +1,8 @@
 """An elastic job on this machine: `polytrain train --parallel.nproc MIN:MAX`.
 
-The launcher starts MAX workers (`python -m polytrain.train`, with torchrun's environment:
-RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, TORCHELASTIC_RESTART_COUNT) and watches them:
+The launcher starts MAX workers (or parallel.nproc_start: those free now), each
+`python -m polytrain.train` with torchrun's environment (
+RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, TORCHELASTIC_RESTART_COUNT), and watches them:
 
 - all exit 0: the job is done;
 - one exits 2 (a config error it already printed): the job stops with 2;
@@ -10,11 +11,11 @@ RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, TORCHELASTIC_RESTART_COUNT) and 
 - one dies otherwise (a signal such as SIGKILL or the OOM killer's, a crash): its slot is
   lost, the others are stopped, and the job restarts with one worker fewer, as long as at
   least MIN remain;
-- SIGUSR1 to the launcher says the lost capacity is back: the job restarts at MAX workers.
+- SIGUSR1 to the launcher says the capacity is there: the job restarts at MAX workers.
 
 Each restart counts against `parallel.max_restarts`. A restarted job resumes from the
 newest checkpoint or host-memory snapshot (`checkpoint.snapshot_every`) at its new size,
-the layout re-derived for it with the global batch kept (polytrain/plan/elastic.py). Across
+with the layout planned for that size before the job started (elastic.py). Across
 nodes, torchrun's own agent does the same (`torchrun --nnodes MIN:MAX --max-restarts R ...
 -m polytrain.train --parallel.elastic true`).
 
@@ -76,8 +77,9 @@ class ElasticLauncher:
     """Starts, watches and restarts the local workers (see the module docstring)."""
 
     def __init__(self, min_workers: int, max_workers: int, argv: list[str], run_dir: Path, max_restarts: int,
-                 module: str = "polytrain.train"):
+                 start_workers: int = 0, module: str = "polytrain.train"):
         self.min, self.max, self.argv, self.run_dir = min_workers, max_workers, argv, Path(run_dir)
+        self.start_workers = start_workers or max_workers
         self.max_restarts, self.module = max_restarts, module
         self.run_id = f"polytrain-{uuid.uuid4().hex[:8]}"
         self._joins = 0
@@ -138,7 +140,7 @@ class ElasticLauncher:
     def run(self) -> int:
         """Run the job to the end; returns its exit code."""
         previous = signal.signal(signal.SIGUSR1, self._on_join)
-        world, number = self.max, 0
+        world, number = self.start_workers, 0
         try:
             while True:
                 attempt = self._start(number, world)

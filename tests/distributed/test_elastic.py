@@ -8,6 +8,7 @@ mid-run and must still match it at every step, the steps after each restart incl
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -43,48 +44,54 @@ def reference(small_corpus, tmp_path_factory):
 
 
 def test_hang_then_a_killed_worker_restart_and_finish_on_three(small_corpus, tmp_path, reference, monkeypatch):
-    """4 workers; rank 1 hangs at step 5 (the watchdog ends the attempt, which restarts at 4);
-    in that attempt rank 3 is SIGKILLed at step 12: the job finishes on 3 workers."""
+    """4 workers; rank 1 hangs at step 5 (every rank's watchdog dumps, the report names rank 1 and the
+    collective the others wait in, and the attempt restarts at 4 from the step-4 snapshot); in that attempt rank 3 is SIGKILLed at step 12: the job finishes on 3 workers
+    from the step-8 snapshot."""
     run = tmp_path / "run"
     monkeypatch.setenv(HANG_ENV, "1:5:0")
     monkeypatch.setenv(KILL_ENV, "3:12:1")
-    args = tiny_overrides(small_corpus, run, run__steps=STEPS, checkpoint__snapshot_every=1,
+    args = tiny_overrides(small_corpus, run, run__steps=STEPS, checkpoint__snapshot_every=4,
                           run__hang_timeout_s=5, **BATCH)
     assert main(["train", *args, "--parallel.nproc", "2:4"]) == 0
-    starts = [(e["attempt"], e["world"]) for e in read_events(run) if e["event"] == "start"]
-    assert starts == [(0, 4), (1, 4), (2, 3)]
-    report = (run / "hang" / "attempt_0" / "report.txt").read_text()
-    assert report.startswith("hang: rank(s) [1] did not enter collective #")
-    assert_same_curve(reference, train_rows(run), "elastic 4 -> (hang) 4 -> (kill) 3")
     events = read_events(run)
+    assert [(e["attempt"], e["world"]) for e in events if e["event"] == "start"] == [(0, 4), (1, 4), (2, 3)]
+    assert [e["step"] for e in events if e["event"] == "training"] == [1, 5, 9]  # resumed at 4 and at 8
+    hang = run / "hang" / "attempt_0"  # the watchdog's dumps of the attempt that hung
+    report = (hang / "report.txt").read_text()
+    assert report.startswith("hang: rank(s) [1] did not enter collective #"), report
+    assert "of the group of ranks [0, 1, 2, 3] (all_reduce" in report and "which rank(s) [0, 2, 3] entered" in report
+    dumps = {r: json.loads((hang / f"rank_{r}.json").read_text()) for r in range(4)}
+    assert {d["step"] for d in dumps.values()} == {5}
+    assert any("sleep(1)" in frame for frame in dumps[1]["stacks"]["MainThread"])
+    assert [e for e in dumps[0]["entries"] if not e["done"]], "rank 0 waits in an unfinished collective"
+    assert_same_curve(reference, train_rows(run), "elastic 4 -> (hang) 4 -> (kill) 3")
     death = next(e["time"] for e in events if e["event"] == "failure" and e["attempt"] == 1)
     again = next(e["time"] for e in events if e["event"] == "training" and e["time"] > death)
     print(f"death to training again: {again - death:.1f} s")
 
 
-def test_lost_workers_coming_back_grow_the_job_from_two_to_four(small_corpus, tmp_path, reference, monkeypatch):
-    """4 workers; ranks 2 and 3 are SIGKILLed at step 3, the job goes on with 2; once it runs at 2,
-    SIGUSR1 to the launcher says the capacity is back: it waits at step 11 until the job restarts
-    at 4 workers, and finishes there."""
+def test_workers_joining_grow_the_job_from_two_to_four(small_corpus, tmp_path, reference, monkeypatch):
+    """The job starts with 2 of its 4 workers; once it trains, SIGUSR1 to the launcher says the other
+    two are free: the job (held at step 11 until then) restarts at 4 from its step-10 snapshot."""
     run = tmp_path / "run"
-    monkeypatch.setenv(KILL_ENV, "2:3:0;3:3:0")
     monkeypatch.setenv(WAIT_ENV, "4:11")
-    args = tiny_overrides(small_corpus, run, run__steps=STEPS, checkpoint__snapshot_every=1, **BATCH)
+    args = tiny_overrides(small_corpus, run, run__steps=STEPS, checkpoint__snapshot_every=5,
+                          parallel__nproc_start=2, **BATCH)
 
-    def join_when_at_two() -> None:
+    def join_at_step_ten() -> None:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
-            if any(e["event"] == "training" and e["world"] == 2 for e in read_events(run)):
+            if (run / "metrics.jsonl").exists() and any(r["step"] >= 10 for r in train_rows(run)):
                 os.kill(os.getpid(), signal.SIGUSR1)
                 return
             time.sleep(0.2)
 
-    watcher = threading.Thread(target=join_when_at_two, daemon=True)
-    watcher.start()
+    threading.Thread(target=join_at_step_ten, daemon=True).start()
     assert main(["train", *args, "--parallel.nproc", "2:4"]) == 0
-    starts = [(e["attempt"], e["world"]) for e in read_events(run) if e["event"] == "start"]
-    assert starts == [(0, 4), (1, 2), (2, 4)]
-    assert_same_curve(reference, train_rows(run), "elastic 4 -> (2 killed) 2 -> (back) 4")
+    events = read_events(run)
+    assert [(e["attempt"], e["world"]) for e in events if e["event"] == "start"] == [(0, 2), (1, 4)]
+    assert [e["step"] for e in events if e["event"] == "training"] == [1, 11]
+    assert_same_curve(reference, train_rows(run), "elastic 2 -> (join) 4")
 
 
 def test_a_global_batch_a_smaller_world_cannot_keep_is_refused(small_corpus, tmp_path, capsys):
