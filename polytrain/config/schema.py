@@ -40,8 +40,7 @@ class RunConfig:
     tensorboard: bool = False
     """Also write TensorBoard event files to <run dir>/tensorboard."""
     hang_timeout_s: float = 0.0
-    """Seconds a step may take before the watchdog dumps every rank's stacks and last collectives to
-    <run dir>/hang/ and ends the attempt; 0 = 10x the slowest step so far (at least 60 s; 900 s for the first); < 0 = off."""
+    """Seconds a step may take before every rank dumps stacks and collectives to <run dir>/hang/ and the attempt ends; 0 = 10x the slowest step (>= 60 s; 900 s for the first); < 0 = off."""
 
 
 @dataclass
@@ -190,8 +189,7 @@ class ParallelConfig:
     nproc_start: int = 0
     """Elastic: workers to start with (0 = parallel.nproc); SIGUSR1 to the launcher grows the job to parallel.nproc."""
     elastic: bool = False
-    """Re-derive the layout and micro-batch for whatever world an elastic agent starts, keeping the global
-    batch (set by --parallel.nproc MIN:MAX; under torchrun --nnodes MIN:MAX set it yourself)."""
+    """Fit the layout to whatever world an elastic agent starts, keeping the global batch (--parallel.nproc MIN:MAX sets it)."""
     max_restarts: int = 3
     """Elastic: restarts the local launcher may make (a worker lost or added, a hang)."""
     dp: int = -1
@@ -293,8 +291,7 @@ class CheckpointConfig:
     resume: str = "auto"
     """'auto' = newest complete checkpoint (or snapshot) of this run, 'none' = start fresh, or a checkpoint path."""
     snapshot_every: int = 0
-    """Steps between snapshots into host memory (/dev/shm) that a restart resumes from when newer than the
-    newest checkpoint (an elastic job loses less work); 0 = none."""
+    """Steps between host-memory (/dev/shm) snapshots a restart resumes from when newer than the newest checkpoint; 0 = none."""
 
 
 @dataclass

@@ -6,9 +6,10 @@
 
 When a watched section outlives its timeout, the watchdog of that rank
 
-1. writes `hang/attempt_<n>/rank_<r>.json` (n counts the elastic agent's restarts): the Python stack of every thread, the rank's last
-   collectives from torch's Flight Recorder (kind, process group and its ranks, sizes,
-   dtypes, sequence number, whether it finished) and each group's last sequence numbers;
+1. writes `hang/attempt_<n>/rank_<r>.json` (n counts the elastic agent's restarts): the
+   Python stack of every thread, the rank's last collectives from torch's Flight Recorder
+   (kind, process group and its ranks, sizes, dtypes, sequence number, whether it
+   finished) and each group's last sequence numbers;
 2. writes the marker `FIRED` there, which every other rank's watchdog notices within
    0.2 s and dumps too (so all dumps are of the same moment, a shared run directory
    across nodes included), waits a little for their dumps, and the first rank to see them
@@ -26,9 +27,11 @@ completed section of that name, at least MIN_S; < 0 = no watchdog. The first sec
 each name gets at least FIRST_S either way: it also builds, shards and warms up, which
 can take minutes. Files left in the directory by an earlier round of the same attempt
 number (torchrun's membership restarts keep the count) are older than this process and
-ignored. The collective log is the Flight
-Recorder's ring buffer (TORCH_FR_BUFFER_SIZE, set by init_world before the process group
-starts): a few hundred bytes per collective, recorded in C++.
+ignored.
+
+The collective log is the Flight Recorder's ring buffer (TORCH_FR_BUFFER_SIZE, set by
+init_world before the process group starts): a few hundred bytes per collective, recorded
+in C++, read only when a watchdog fires.
 """
 
 from __future__ import annotations

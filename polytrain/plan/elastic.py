@@ -79,7 +79,8 @@ def _refusal(cfg: Config, low: int, high: int, missing: list[int], cluster: Clus
     if all(w % fixed == 0 for w in range(low, high + 1)):
         unit = math.lcm(*(w // fixed for w in range(low, high + 1)))
         batches = sorted({max(unit, g // unit * unit), (g // unit + 1) * unit})
-        text += f"; global batches every size {low}..{high} keeps: {' or '.join(map(str, batches))} (multiples of {unit})"
+        text += (f"; global batches every size {low}..{high} keeps: {' or '.join(map(str, batches))} "
+                 f"(multiples of {unit})")
     return text
 
 
