@@ -1,15 +1,26 @@
-"""KV-cached generation: polytrain's `generate` against transformers' `generate`, same model, one run.
+"""Greedy generation: polytrain's `generate` against transformers' `generate`, same weights, one run.
 
-    python benchmarks/generate_vs_hf.py                          # llama 125m shape, batch 4, 64 new tokens
-    python benchmarks/generate_vs_hf.py --arch gpt2 --size 124m --batch 1
-    python benchmarks/generate_vs_hf.py --rounds 1 --new-tokens 8 --size tiny   # a quick check it runs
+    python benchmarks/generate_vs_hf.py                          # llama 125m shape, batch 1 and 8, 64 new tokens
+    python benchmarks/generate_vs_hf.py --arch gpt2 --size 124m
+    python benchmarks/generate_vs_hf.py --size tiny --rounds 1 --new-tokens 8 --batches 2   # a quick check it runs
 
 A randomly initialised Hugging Face model of the preset's shape is saved and converted with
-polytrain's importer, so both sides hold the same weights; the first round checks that
-both produce the same greedy tokens. Then alternating rounds time greedy decoding of
---new-tokens tokens for a batch of --batch prompts of --prompt-len tokens (every row
-runs to the end: no stop tokens), on the accelerator polytrain picks, in fp32 unless
---dtype bf16. Reports new tokens per second (median over rounds) and the ratio.
+polytrain's importer, so both sides hold the same weights. Each side runs three ways:
+
+    polytrain     padded     the KV cache that grows with the sequence (generate's default)
+                  static     a fixed-shape StaticKVCache (static_cache=True)
+                  compiled   the static cache's decoding step compiled once (compile=True)
+    transformers  dynamic    its default DynamicCache
+                  static     cache_implementation="static"
+                  compiled   static, with its automatic compilation of the decoding forward
+                             (which it turns on by itself only on GPUs; forced here on the CPU)
+
+The first call of each checks that all six produce the same greedy tokens and pays their
+compilation (reported). Then --rounds rounds, the order rotating each round, time greedy
+decoding of --new-tokens tokens (every row runs to the end: no stop tokens) for --batch
+prompts of --prompt-len tokens, on the accelerator polytrain picks, fp32 unless --dtype bf16.
+Reports new tokens per second (median and spread over rounds) and the ratios of
+polytrain's to transformers' way with the same kind of cache, and best against best.
 """
 
 from __future__ import annotations
@@ -32,16 +43,18 @@ from polytrain.models import ARCHITECTURES
 
 transformers.logging.set_verbosity_error()
 transformers.logging.disable_progress_bar()
+WAYS = ("padded", "static", "compiled")
+HF_WAYS = {"padded": "dynamic", "static": "static", "compiled": "compiled"}  # the same kind of cache
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", default="llama", choices=("llama", "gpt2"))
     p.add_argument("--size", default="125m", help="a size preset of --arch (tiny, small, 125m / 124m, ...)")
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--batches", default="1,8", help="comma list of batch sizes")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=5, help="alternating timed rounds per implementation")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds of every way")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     return p.parse_args()
 
@@ -60,6 +73,55 @@ def hf_model(arch: str, size: str, max_len: int) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(cfg)
 
 
+def runners(ours, hf, prompts: torch.Tensor, n: int, device) -> dict:
+    """name -> a function running one greedy generation of `prompts` (B, L), returning new tokens."""
+    ids = prompts.to(device)
+    compile_all = transformers.CompileConfig()
+    compile_all._compile_all_devices = True  # transformers compiles by itself only on GPUs
+
+    def ours_way(**kw):
+        return lambda: generate(ours, prompts.tolist(), n, temperature=0, **kw)
+
+    def hf_way(**kw):
+        def run():
+            with torch.no_grad():
+                out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                  min_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
+            return out[:, prompts.shape[1]:].tolist()
+        return run
+
+    return {("polytrain", "padded"): ours_way(), ("polytrain", "static"): ours_way(static_cache=True),
+            ("polytrain", "compiled"): ours_way(compile=True),
+            ("transformers", "dynamic"): hf_way(),
+            ("transformers", "static"): hf_way(cache_implementation="static", disable_compile=True),
+            ("transformers", "compiled"): hf_way(cache_implementation="static", compile_config=compile_all)}
+
+
+def measure(ours, hf, batch: int, args, acc, device) -> dict:
+    prompts = torch.randint(0, hf.config.vocab_size, (batch, args.prompt_len),
+                            generator=torch.Generator().manual_seed(batch))
+    ways = runners(ours, hf, prompts, args.new_tokens, device)
+    first, tokens = {}, {}
+    for name, fn in ways.items():  # the warm-up: compiles what compiles, checks the tokens
+        start = time.perf_counter()
+        tokens[name] = fn()
+        first[name] = time.perf_counter() - start
+    reference = tokens["transformers", "dynamic"]
+    same = {name: out == reference for name, out in tokens.items()}
+    times = {name: [] for name in ways}
+    names = list(ways)
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            acc.synchronize()
+            start = time.perf_counter()
+            ways[name]()
+            acc.synchronize()
+            times[name].append(time.perf_counter() - start)
+    rates = {name: [batch * args.new_tokens / t for t in ts] for name, ts in times.items()}
+    return {"batch": batch, "rates": rates, "median": {k: statistics.median(v) for k, v in rates.items()},
+            "first_call_s": first, "same_tokens": same}
+
+
 def main() -> None:
     args = parse_args()
     acc = get_accelerator()
@@ -70,42 +132,29 @@ def main() -> None:
         hf.save_pretrained(tmp)
         ours, _ = load_hf(Path(tmp), device)
     hf, ours = hf.to(device=device, dtype=dtype), ours.to(dtype=dtype)
-    vocab = hf.config.vocab_size
-    prompts = torch.randint(0, vocab, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(1))
-    ids = prompts.to(device)
-    n = args.new_tokens
-
-    def run_ours():
-        return generate(ours, prompts.tolist(), n, temperature=0)
-
-    def run_hf():
-        with torch.no_grad():
-            out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                              min_new_tokens=n, do_sample=False, pad_token_id=0)
-        return out[:, args.prompt_len:].tolist()
-
-    same = run_ours() == run_hf()  # also the warm-up of both
-    times = {"polytrain": [], "transformers": []}
-    for _ in range(args.rounds):
-        for name, fn in (("polytrain", run_ours), ("transformers", run_hf)):
-            acc.synchronize()
-            start = time.perf_counter()
-            fn()
-            acc.synchronize()
-            times[name].append(time.perf_counter() - start)
-    rate = {k: args.batch * n / statistics.median(v) for k, v in times.items()}
-    params = sum(p.numel() for p in ours.parameters())
     load = os.getloadavg()[0]
-    print(f"\n{datetime.date.today()}, {acc.describe()}, transformers "
-          f"{transformers.__version__}, load average {load:.1f} at the end")
-    print(f"{args.arch} {args.size} ({params / 1e6:.0f}M parameters, random weights), {args.dtype}, batch "
-          f"{args.batch}, prompt {args.prompt_len} tokens, {n} new tokens greedy, median of {args.rounds} "
-          f"rounds; same tokens from both: {same}\n")
-    print("| implementation | new tokens/s | ratio |\n| --- | ---: | --- |")
-    print(f"| transformers `generate` | {rate['transformers']:,.1f} | |")
-    print(f"| polytrain `generate` | {rate['polytrain']:,.1f} | **{rate['polytrain'] / rate['transformers']:.2f}x** |")
-    if not same:
-        raise SystemExit("the two implementations produced different tokens")
+    results = [measure(ours, hf, int(b), args, acc, device) for b in args.batches.split(",")]
+    params = sum(p.numel() for p in ours.parameters())
+    print(f"\n{datetime.date.today()}, {acc.describe()}, transformers {transformers.__version__}, "
+          f"load average {load:.1f} at start, {os.getloadavg()[0]:.1f} at the end")
+    print(f"{args.arch} {args.size} ({params / 1e6:.0f}M parameters, random weights), {args.dtype}, prompt "
+          f"{args.prompt_len} tokens, {args.new_tokens} new tokens greedy, median (spread) of {args.rounds} "
+          f"rounds\n")
+    print("| batch | implementation | cache | new tokens/s (spread) | first call s | same tokens | "
+          "polytrain / transformers, same cache |\n| ---: | --- | --- | ---: | ---: | --- | ---: |")
+    ok = True
+    for res in results:
+        med = res["median"]
+        for (impl, way), rate in med.items():
+            spread = f"{min(res['rates'][impl, way]):,.1f}-{max(res['rates'][impl, way]):,.1f}"
+            ratio = f"**{rate / med['transformers', HF_WAYS[way]]:.2f}x**" if impl == "polytrain" else ""
+            print(f"| {res['batch']} | {impl} | {way} | {rate:,.1f} ({spread}) | "
+                  f"{res['first_call_s'][impl, way]:.1f} | {res['same_tokens'][impl, way]} | {ratio} |")
+        best = {impl: max(r for (i, _), r in med.items() if i == impl) for impl in ("polytrain", "transformers")}
+        print(f"| {res['batch']} | best of each | | | | | **{best['polytrain'] / best['transformers']:.2f}x** |")
+        ok &= all(res["same_tokens"].values())
+    if not ok:
+        raise SystemExit("the implementations produced different tokens")
 
 
 if __name__ == "__main__":

@@ -23,12 +23,17 @@ clipping by global norm, and the same reduce/all-gather bucket size (25 MiB, pol
 default). Each rank trains --warmup untimed steps, then --steps timed ones between two
 barriers; it reports its peak resident memory (VmHWM of /proc/self/status) at the end.
 
+The loss algorithm is the same on both sides: by default (`--loss chunked`) both compute the
+output projection and cross-entropy a chunk of tokens at a time (polytrain's
+train.chunked_loss; the DeepSpeed model's output Linear is swapped for polytrain's LossHead,
+a module DeepSpeed's ZeRO-3 gathers like any other); `--loss plain` gives both the model's
+logits into F.cross_entropy, as DeepSpeed's examples do.
+
 What is not made equal: each framework keeps its own defaults for what has no counterpart
 in the other (DeepSpeed's overlap_comm, contiguous_gradients, stage-3 prefetch and
-persistence thresholds; polytrain's train.chunked_loss, which computes the output
-projection and cross-entropy a chunk of tokens at a time where the DeepSpeed script, as
-DeepSpeed's examples do, takes the model's logits into F.cross_entropy).
-`--polytrain-args "--train.chunked_loss false"` measures polytrain without it. DeepSpeed's ZeRO-3 partitions the model inside
+persistence thresholds; polytrain's fused AdamW kernel, where DeepSpeed's `torch_adam`
+takes torch's default, the per-tensor loop on a CPU, since its own fused Adam is a CUDA
+op). `--polytrain-args` passes extra overrides to polytrain only. DeepSpeed's ZeRO-3 partitions the model inside
 `deepspeed.initialize`, after it was built whole on each rank (no zero.Init), while
 polytrain builds on the meta device; peak RSS counts that. The DeepSpeed ranks also
 import deepspeed (tens of MiB): `rss at start` shows each job's memory before the model.
@@ -70,7 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--source", default="stdlib",
                    help="data.source (the first stdlib call tokenizes, ~30 s, then it is cached)")
-    p.add_argument("--rounds", type=int, default=2, help="alternating jobs per framework and stage")
+    p.add_argument("--rounds", type=int, default=5, help="alternating jobs per framework and stage")
+    p.add_argument("--loss", default="chunked", choices=("chunked", "plain"),
+                   help="the loss algorithm of both sides (see the docstring)")
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per job")
     p.add_argument("--warmup", type=int, default=3, help="untimed optimizer steps per job first")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(),
@@ -94,7 +101,8 @@ def config_overrides(args: argparse.Namespace) -> list[str]:
             "--train.global_batch_size", str(args.global_batch),
             "--train.precision", "fp32", "--train.optimizer", "adamw",
             "--run.steps", str(args.warmup + args.steps),
-            "--checkpoint.resume", "none", "--checkpoint.every", "0"]
+            "--checkpoint.resume", "none", "--checkpoint.every", "0",
+            "--train.chunked_loss", str(args.loss == "chunked").lower()]
 
 
 def proc_status_kib(field: str) -> int | None:
@@ -130,6 +138,11 @@ class DeepSpeedJob:
         torch.manual_seed(cfg.run.seed)
         model = ARCHITECTURES["llama"].build(cfg.model)
         init_plain(model, cfg.run.seed)
+        self.head = None
+        if cfg.train.chunked_loss:  # the same loss algorithm as polytrain's: the head returns the loss
+            from polytrain.train.chunked_loss import LossHead
+
+            self.head = model.output = LossHead.replacing(model.output)
         bucket = int(cfg.parallel.reduce_bucket_mb * 2**20) // 4  # elements of fp32
         config = {
             "train_batch_size": t.global_batch_size,
@@ -161,8 +174,12 @@ class DeepSpeedJob:
         set_lr(self.optimizer, self.step, self.cfg)  # polytrain's schedule, for equal losses
         for i in range(0, len(local), mbs):
             inputs, targets = self.data.get_batch(local[i:i + mbs])
-            logits = self.engine(inputs)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            if self.head is not None:
+                with self.head.scoring(targets):
+                    loss = self.engine(inputs)
+            else:
+                logits = self.engine(inputs)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
             self.engine.backward(loss)  # DeepSpeed divides by the accumulation steps itself
             self.engine.step()  # the optimizer steps at the accumulation boundary only
             loss_sum += loss.detach() / self.accum
@@ -220,7 +237,7 @@ def launch(args: argparse.Namespace, framework: str, stage: int, work: Path, tag
            "--out-dir", str(out), "--size", args.size, "--seq-len", str(args.seq_len),
            "--micro-batch", str(args.micro_batch), "--global-batch", str(args.global_batch),
            "--source", args.source, "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--polytrain-args", args.polytrain_args]
+           "--loss", args.loss, "--polytrain-args", args.polytrain_args]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, args.threads // args.nproc)),
            "DS_ACCELERATOR": "cpu" if torch.cuda.device_count() == 0 else
            os.environ.get("DS_ACCELERATOR", "cuda")}
@@ -284,12 +301,12 @@ def report(args: argparse.Namespace, summary: dict, params: float, ds_version: s
     lines = [
         f"Machine: {machine()}, deepspeed {ds_version} | {datetime.date.today().isoformat()}{load_text}",
         (f"Model: llama {args.size} ({params / 1e6:.1f}M parameters), seq {args.seq_len}, "
-         f"micro-batch {args.micro_batch}, global batch {args.global_batch}, fp32 AdamW, "
+         f"micro-batch {args.micro_batch}, global batch {args.global_batch}, fp32 AdamW, {args.loss} loss, "
          f"{args.nproc} ranks x {max(1, args.threads // args.nproc)} thread(s), gloo; "
          f"median of {args.rounds} job(s) each, {args.steps} timed steps after {args.warmup}"),
         f"Command: `{command}`",
         "",
-        ("| ZeRO | DeepSpeed tok/s | polytrain tok/s | speed polytrain/DS | per-round speed ratios "
+        ("| ZeRO | DeepSpeed tok/s | polytrain tok/s | speed polytrain/DS | per-round speed ratios (sorted) "
          "| DeepSpeed peak RSS | polytrain peak RSS | RSS polytrain/DS | loss step 1 DS / polytrain "
          "| loss last DS / polytrain |"),
         "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- | --- |",

@@ -6,6 +6,7 @@
     polytrain prepare SOURCE OUT.bin [--vocab-size N] [--tokenizer bpe|PATH] [--val-fraction F]
     polytrain consolidate CHECKPOINT_DIR OUT [--dtype fp32|bf16|fp16] [--format safetensors|pt]
     polytrain convert HF_DIR OUT_DIR | polytrain convert --to hf RUN_OR_CHECKPOINT OUT_DIR [--dtype ...]
+    polytrain convert --to peft RUN_OR_CHECKPOINT OUT_DIR | polytrain convert ADAPTER_DIR OUT_DIR --base RUN
     polytrain run [--nproc N] SCRIPT [ARGS...]    (or -m MODULE [ARGS...]): a CUDA program, unchanged
     polytrain plan --devices N [--device H100|cpu|...] [--nodes K] [--config FILE] [--json] [--section.key VALUE ...]
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from polytrain.errors import PolytrainError
 
@@ -191,19 +193,34 @@ def _run(argv: list[str]) -> int:
 def _convert(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="polytrain convert",
-        description="Hugging Face model directory -> polytrain run directory (default), or back with --to hf.")
-    parser.add_argument("source", help="an HF directory (config.json + safetensors/.bin), or with --to hf "
-                                       "a run directory or one of its checkpoints/step_<N>")
-    parser.add_argument("out", help="directory to write (a new run directory, or the HF directory)")
-    parser.add_argument("--to", choices=("polytrain", "hf"), default="polytrain")
+        description="Hugging Face model directory -> polytrain run directory (default), or back with --to hf; "
+                    "LoRA adapters -> a PEFT adapter directory with --to peft, or a PEFT adapter directory "
+                    "(adapter_config.json) -> a run of adapters on --base.")
+    parser.add_argument("source", help="an HF directory (config.json + safetensors/.bin) or a PEFT adapter "
+                                       "directory, or with --to hf / peft a run directory or one of its "
+                                       "checkpoints/step_<N>")
+    parser.add_argument("out", help="directory to write (a new run directory, the HF or the PEFT directory)")
+    parser.add_argument("--to", choices=("polytrain", "hf", "peft"), default="polytrain")
     parser.add_argument("--dtype", default=None, help="--to hf: fp32, bf16 or fp16 (default: as stored)")
+    parser.add_argument("--base", default=None, help="importing a PEFT adapter: the polytrain run or checkpoint "
+                                                     "of the model it adapts (polytrain convert HF_DIR of it)")
     args = parser.parse_args(argv)
 
     from polytrain.convert import export_hf, import_hf
+    from polytrain.convert.peft import CONFIG_FILE, export_peft, import_peft
 
     if args.to == "hf":
         out = export_hf(args.source, args.out, dtype=args.dtype)
         print(f"wrote {out / 'model.safetensors'} and {out / 'config.json'}")
+    elif args.to == "peft":
+        out = export_peft(args.source, args.out)
+        print(f"wrote {out / CONFIG_FILE}: PeftModel.from_pretrained(<the HF export of its base>, '{out}')")
+    elif (Path(args.source) / CONFIG_FILE).is_file():
+        if args.base is None:
+            raise PolytrainError(f"{args.source} is a PEFT adapter: name the polytrain run or checkpoint of "
+                                 "its base model with --base (polytrain convert HF_DIR makes one)")
+        out = import_peft(args.source, args.out, args.base)
+        print(f"wrote run directory {out}: adapters on {args.base}; polytrain generate {out} --prompt ...")
     else:
         out = import_hf(args.source, args.out)
         print(f"wrote run directory {out}: polytrain generate {out} --prompt ...; "

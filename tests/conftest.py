@@ -54,6 +54,9 @@ def isolated_cache(tmp_path_factory) -> Path:
     """
     cache = tmp_path_factory.mktemp("polytrain-cache")
     os.environ["POLYTRAIN_CACHE"] = str(cache)
+    # torch.compile's kernels: one cache for the session's processes (ranks reuse what the
+    # first compiled), nothing from earlier sessions, so a test's compile cost is CI's.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor-cache"))
     os.environ.setdefault("POLYTRAIN_ACCELERATOR", "cpu")
     return cache
 

@@ -4,6 +4,7 @@
         .metadata, __<rank>_0.distcp   # model + optimizer, keyed by parameter name (DCP)
         rng/rank_<r>.pt                # each rank's RNG states
         trainer.json                   # step (which fixes the lr schedule), sampler position, model config
+                                       # and, with LoRA, the adapters' record and where their base comes from
 
 A checkpoint is written by `write_checkpoint_dir` (directory.py): into `.tmp-step_<N>/`,
 synced to disk and renamed once every rank has finished, with trainer.json written last;
@@ -11,6 +12,13 @@ a crash or a failure while saving leaves only a `.tmp-` directory, which is igno
 cleared, so the previous checkpoint stays the newest complete one. DCP stores every
 tensor by name with its global shape, so a checkpoint written at one data-parallel /
 ZeRO layout loads at any other.
+
+LoRA (polytrain/lora): a run that trains only its adapters (lora.only_optimize) saves only the
+adapters and their optimizer state; trainer.json's `base` says where the frozen weights come
+from: the checkpoint they were loaded from, or `init:<seed>` for the seeded initialisation.
+Loading follows it, a checkpoint without adapters loads into an adapted model as its base
+(the adapters keep their initial values), and pruning keeps every checkpoint a kept one
+names as its base.
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from polytrain.checkpoint.directory import TMP_PREFIX, torch_bytes, write_checkpoint_dir
 from polytrain.checkpoint.run_dir import RunDir
 from polytrain.errors import CheckpointError
+from polytrain.lora import is_adapter_key, lora_record
+from polytrain.models.common.init import init_plain
 
 FORMAT = "polytrain-checkpoint-1"
 STATE_FILE = "trainer.json"
@@ -56,6 +66,17 @@ class TrainerState:
     world_size: int
     loss_scaler: dict[str, Any] | None = None  # fp16 runs: the dynamic scale and its counters
     weights_only: bool = False  # model weights without optimizer or data state (an imported model)
+    lora: dict[str, Any] | None = None  # the LoRA adapters' config (polytrain.lora.lora_record), None without
+    base: str | None = None  # adapters only: the checkpoint holding the frozen base, or "init:<seed>"
+
+    @property
+    def adapters_only(self) -> bool:
+        return self.base is not None
+
+    @property
+    def adapter_shape(self) -> tuple | None:
+        """What decides the adapters' tensors and their meaning: (rank, alpha, targets), None without LoRA."""
+        return (self.lora["rank"], self.lora["alpha"], self.lora["targets"]) if self.lora else None
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -107,6 +128,51 @@ def check_checkpoint(path: Path) -> None:
             raise CheckpointError(f"checkpoint {path} is damaged: {name} is {what}; resume from an earlier one")
 
 
+def read_state(path: Path) -> TrainerState:
+    """A checked checkpoint's trainer.json."""
+    check_checkpoint(path)
+    record = json.loads((Path(path) / STATE_FILE).read_text())
+    record.pop("format")
+    return TrainerState(**record)
+
+
+def model_keys(path: Path) -> set[str]:
+    """Names of the model tensors a checkpoint holds."""
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    return {k.removeprefix("model.") for k in metadata.state_dict_metadata if k.startswith("model.")}
+
+
+def fill_model_state(path: Path, state: TrainerState, model_sd: dict[str, Any], seed: int | None = None) -> None:
+    """Load checkpoint `path`'s model tensors into `model_sd` in place (collectively, at any layout).
+
+    Adapters only: the base weights come from `state.base` first, a checkpoint, or (`init:<seed>`)
+    the seeded initialisation, which must be the run's own (`seed`: the values materialize gave
+    `model_sd`; None: they come from `init_seeded`, the caller's). A checkpoint without adapters
+    loaded into an adapted model fills the base and leaves the adapters as they are.
+    """
+    held = model_keys(path)
+    missing = [k for k in model_sd if k not in held]
+    if state.adapters_only:
+        base = [k for k in missing if not is_adapter_key(k)]
+        if state.base.startswith("init:"):
+            if seed is not None and state.base != f"init:{seed}":
+                raise CheckpointError(f"the adapters in {path} were trained on the base initialised from "
+                                      f"run.seed = {state.base.removeprefix('init:')}; set run.seed to it")
+        elif base:
+            base_path = Path(state.base)
+            if not (base_path / STATE_FILE).is_file():
+                raise CheckpointError(f"the adapters in {path} need their base weights from {base_path}, "
+                                      "which is no longer a checkpoint; restore it or start again")
+            fill_model_state(base_path, read_state(base_path), {k: model_sd[k] for k in base}, seed)
+        missing = [k for k in missing if is_adapter_key(k)]
+    elif state.lora is None:
+        missing = [k for k in missing if not is_adapter_key(k)]  # a base for adapters: they keep their values
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise CheckpointError(f"checkpoint {path} has no tensor {missing[0]}{more} of this model")
+    load_in_place({"model": {k: v for k, v in model_sd.items() if k in held}}, path)
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -132,7 +198,8 @@ class Checkpointer:
             dist.barrier()
 
     def save(self, tensors: Stateful, state: TrainerState) -> Path:
-        """Write `tensors.state_dict()` ({"model", "optim"}: the data-parallel strategy's) and `state`."""
+        """Write `tensors.state_dict()` ({"model", "optim"}: the data-parallel strategy's) and `state`
+        (of the model, only the adapters when `state.base` is set)."""
         rank = _rank()
 
         def rank_files() -> dict[str, bytes]:
@@ -140,7 +207,10 @@ class Checkpointer:
                 os.kill(os.getpid(), signal.SIGKILL)  # the test's power cut: shards written, the rest not
             return {f"rng/rank_{rank}.pt": torch_bytes(self._rng_state())}
 
-        final = write_checkpoint_dir(self.root / f"step_{state.step}", tensors.state_dict(),
+        tensors_sd = tensors.state_dict()
+        if state.adapters_only:  # the frozen base is in state.base
+            tensors_sd = {**tensors_sd, "model": {k: v for k, v in tensors_sd["model"].items() if is_adapter_key(k)}}
+        final = write_checkpoint_dir(self.root / f"step_{state.step}", tensors_sd,
                                      rank_files=rank_files, main_files=lambda: {STATE_FILE: _json_bytes(state)})
         if rank == 0:
             self._prune()
@@ -153,23 +223,38 @@ class Checkpointer:
             return
         done = sorted((int(m.group(1)), p) for p in self.root.iterdir()
                       if (m := _STEP_DIR.match(p.name)) and is_complete(p))
+        kept = [p for _, p in done[-self.keep:]]
+        bases = {Path(b).resolve() for p in kept if (b := read_state(p).base) and not b.startswith("init:")}
         for _, old in done[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old.resolve() not in bases:  # adapters-only checkpoints need their base
+                shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, path: Path, tensors: Stateful, expect: TrainerState) -> TrainerState:
+    def load(self, path: Path, tensors: Stateful, expect: TrainerState, seed: int | None = None) -> TrainerState:
         """Restore model and optimizer tensors through `tensors` (the data-parallel strategy), at any layout.
 
-        `expect` describes this run; a checkpoint of another model or optimizer is refused.
+        `expect` describes this run; a checkpoint of another model or optimizer is refused, as
+        adapters of another shape. A checkpoint without adapters loaded by a LoRA run is its
+        base: weights only, returned with `weights_only` set. `seed`: the run's, for a base
+        the adapters' checkpoint says was initialised from a seed.
         """
-        check_checkpoint(path)
-        record = json.loads((path / STATE_FILE).read_text())
-        record.pop("format")
-        state = TrainerState(**record)
+        state = read_state(path)
         if state.model_config != expect.model_config:
             diff = {k: (state.model_config.get(k), v) for k, v in expect.model_config.items()
                     if state.model_config.get(k) != v}
             shown = ", ".join(f"model.{k} {a} in the checkpoint vs {b} now" for k, (a, b) in diff.items())
             raise CheckpointError(f"checkpoint {path} was written for another model: {shown}")
+        if state.lora is not None and state.adapter_shape != expect.adapter_shape:
+            rank, alpha, targets = state.adapter_shape
+            raise CheckpointError(f"checkpoint {path} holds LoRA adapters of rank {rank}, alpha {alpha}, targets "
+                                  f"{targets!r}; set lora.rank, lora.alpha and lora.targets to them "
+                                  "(or merge them: polytrain convert --to hf)")
+        if state.lora is None and expect.lora is not None:
+            if not state.weights_only and Path(path).resolve().parent == self.root.resolve():
+                # Its step count would win over the adapters' new one at the next resume.
+                raise CheckpointError(f"{path} is a trained checkpoint of this run without adapters; start the "
+                                      "LoRA run in a directory of its own (--run.out_dir) with "
+                                      f"--checkpoint.resume {path}")
+            state.weights_only = True  # the base of this run's adapters
         if state.optimizer != expect.optimizer and not state.weights_only:
             raise CheckpointError(
                 f"checkpoint {path} holds {state.optimizer} state but train.optimizer = "
@@ -177,7 +262,9 @@ class Checkpointer:
         # DCP fills this rank's tensors of the strategy's state dict in place; a weights-only
         # checkpoint fills the model's and leaves the fresh optimizer state as it is.
         tensors_sd = tensors.state_dict()
-        load_in_place({"model": tensors_sd["model"]} if state.weights_only else tensors_sd, path)
+        fill_model_state(path, state, tensors_sd["model"], seed)
+        if not state.weights_only:
+            load_in_place({"optim": tensors_sd["optim"]}, path)
         tensors.load_state_dict(tensors_sd)
         if state.weights_only:
             return state
@@ -187,24 +274,29 @@ class Checkpointer:
         return state
 
 
-def save_weights(path: Path, model_state: dict[str, torch.Tensor], model_config: dict[str, Any]) -> Path:
+def save_weights(path: Path, model_state: dict[str, torch.Tensor], model_config: dict[str, Any],
+                 lora: Any = None, base: str | None = None) -> Path:
     """Write a weights-only checkpoint (step 0, no optimizer or data state) at `path`, atomically.
 
     What `polytrain convert` makes of an imported model: `polytrain generate` loads it like
     any checkpoint, and training started from it (checkpoint.resume) takes the weights and
-    begins at step 0 with a fresh optimizer, at any parallel layout.
+    begins at step 0 with a fresh optimizer, at any parallel layout. An imported PEFT adapter:
+    `model_state` holds the adapters of `lora` (a LoRAConfig), `base` the checkpoint of their base.
     """
     state = TrainerState(step=0, sampler={}, optimizer="none", model_config=model_config, world_size=1,
-                         weights_only=True)
+                         weights_only=True, lora=lora_record(lora) if lora is not None else None, base=base)
     return write_checkpoint_dir(Path(path), {"model": model_state}, main_files=lambda: {STATE_FILE: _json_bytes(state)})
 
 
 def load_model_weights(path: Path, model: nn.Module) -> None:
-    """Load only the model weights of a checkpoint into a plain single-device model."""
-    check_checkpoint(path)
-    state = {"model": model.state_dict()}
-    load_in_place(state, path)
-    model.load_state_dict(state["model"])
+    """Load only the model weights of a checkpoint into a plain single-device model (with the
+    checkpoint's LoRA adapters applied, when it has them; see polytrain.lora.apply_lora)."""
+    state = read_state(path)
+    if state.adapters_only and state.base.startswith("init:"):  # a seeded base: make it, then load the adapters
+        init_plain(model, int(state.base.removeprefix("init:")))
+    model_sd = model.state_dict()
+    fill_model_state(path, state, model_sd)
+    model.load_state_dict(model_sd)
 
 
 def load_in_place(state: dict[str, Any], path: Path) -> None:

@@ -3,7 +3,7 @@
     cfg = load_config("configs/llama_tiny.toml", ["--train.lr", "1e-3"])
     cfg.train.lr, cfg.parallel.zero, cfg.run_dir
 
-Sections: run, model, data, train, parallel, checkpoint, rlhf; `polytrain train --help` lists every key.
+Sections: run, model, data, train, parallel, checkpoint, lora, rlhf; `polytrain train --help` lists every key.
 """
 
 from polytrain.config.load import (
@@ -19,6 +19,7 @@ from polytrain.config.schema import (
     CheckpointConfig,
     Config,
     DataConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     RLHFConfig,
@@ -27,6 +28,6 @@ from polytrain.config.schema import (
 )
 
 __all__ = [
-    "SECTIONS", "CheckpointConfig", "Config", "DataConfig", "ModelConfig", "ParallelConfig", "RLHFConfig", "RunConfig",
+    "SECTIONS", "CheckpointConfig", "Config", "DataConfig", "LoRAConfig", "ModelConfig", "ParallelConfig", "RLHFConfig", "RunConfig",
     "TrainConfig", "help_text", "load_config", "parse_overrides", "to_dict", "to_toml", "validate",
 ]

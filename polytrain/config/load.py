@@ -212,10 +212,34 @@ def validate(cfg: Config) -> None:
     if p.nproc_min > p.nproc or p.max_restarts < 0 or (p.nproc_start and not p.nproc_min <= p.nproc_start <= p.nproc):
         raise ConfigError(f"parallel.nproc_min = {p.nproc_min} <= parallel.nproc_start = {p.nproc_start} <= "
                           f"parallel.nproc = {p.nproc} must hold (nproc_start 0 = nproc), and parallel.max_restarts >= 0")
+    if t.compile and cfg.parallel.tp > 1 and t.activation_checkpoint == "selective":
+        # torch 2.13's partitioner files the tp mesh among the tensors saved around the
+        # recomputed attention core and fails at the first backward.
+        raise ConfigError("train.compile = true with parallel.tp > 1 cannot recompute selectively "
+                          "(torch.compile fails on it); set train.activation_checkpoint = 'full' or "
+                          "train.compile = false")
     if cfg.data.sources and cfg.data.source != DataConfig().source:
         raise ConfigError("data.source and data.sources are both set; data.sources blends several corpora "
                           "in place of data.source: keep one")
+    _validate_lora(cfg)
     _validate_rlhf(cfg.rlhf)
+
+
+def _validate_lora(cfg: Config) -> None:
+    """The adapters' own values; which layers the patterns match is checked against the model at start-up."""
+    lo = cfg.lora
+    if lo.rank < 0:
+        raise ConfigError(f"lora.rank = {lo.rank} must be >= 0 (0 = no adapters)")
+    if lo.rank == 0:  # off: the other keys are not read (a saved config.toml lists them all)
+        return
+    if lo.alpha <= 0:
+        raise ConfigError(f"lora.alpha = {lo.alpha} must be positive (the adapters scale by alpha / rank)")
+    if not 0 <= lo.dropout < 1:
+        raise ConfigError(f"lora.dropout = {lo.dropout} must be in [0, 1)")
+    patterns = [p.strip() for p in lo.targets.split(",")]
+    if not lo.targets.strip() or any(not p or "" in p.split(".") for p in patterns):
+        raise ConfigError(f"lora.targets = {lo.targets!r} must be comma-separated module-name patterns "
+                          "such as 'layers' or 'wq,wv'")
 
 
 def _validate_rlhf(r: RLHFConfig) -> None:

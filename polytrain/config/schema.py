@@ -177,7 +177,10 @@ class TrainConfig:
     """Recompute activations in backward to save memory: full = each block, selective = the attention core."""
     chunked_loss: bool = True
     """Output projection + cross-entropy a chunk of tokens at a time, never holding (tokens, vocab) logits
-    (without tp and pp; tp's vocabulary-parallel loss splits the logits already); false = the plain path."""
+    (also vocabulary-parallel under tp and on a pipeline's last stage; not the 2d-3d grids); false = plain."""
+    compile: bool = False
+    """torch.compile each transformer block (regional: the blocks share one graph); the cost is reported
+    after the first step."""
 
 
 @dataclass
@@ -295,6 +298,23 @@ class CheckpointConfig:
 
 
 @dataclass
+class LoRAConfig:
+    rank: int = 0
+    """Rank r of the low-rank adapters (LoRA) added to the target Linear layers; 0 = no adapters."""
+    alpha: float = 16.0
+    """Adapter output scale numerator: each adapter adds (alpha / rank) * B A x to its layer's output."""
+    dropout: float = 0.0
+    """Dropout probability on the adapters' input in training (the base layer sees it undropped)."""
+    targets: str = "layers"
+    """Comma-separated module-name patterns (DeepSpeed-Chat's lora_module_name): a Linear inside the blocks
+    is adapted when a pattern's dot-separated parts, "*" matching any one, appear in a row in its name
+    ("layers" = every block Linear; "wq,wv"; "attention"; "layers.0.feed_forward.w1")."""
+    only_optimize: bool = True
+    """Train only the adapters: the base model is frozen (no gradients, no optimizer state) and
+    checkpoints hold only the adapters; false = the adapters and the whole base model train."""
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -302,6 +322,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     rlhf: RLHFConfig = field(default_factory=RLHFConfig)
     set_keys: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
     """`section.key` names the TOML file or the overrides gave (the loader records them)."""

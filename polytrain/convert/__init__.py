@@ -143,15 +143,11 @@ def _check_tokenizer(path: Path, model: ModelConfig) -> Path:
     return path
 
 
-def export_hf(source: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
-    """Write the model of a run (its newest checkpoint) or of one checkpoint as a Hugging Face directory.
-
-    dtype: "fp32", "bf16" or "fp16" for floating tensors; None keeps each tensor's stored dtype.
-    """
+def resolve_checkpoint(source: str | Path) -> tuple[Path, Path]:
+    """(checkpoint, run directory) of a run (its newest checkpoint) or of one of its checkpoints."""
     from polytrain.checkpoint import STATE_FILE, check_checkpoint, latest_checkpoint
-    from polytrain.checkpoint.consolidate import read_model_tensors
 
-    source, out_dir = Path(source), Path(out_dir)
+    source = Path(source)
     if (source / STATE_FILE).is_file():  # a checkpoint: its run is two levels up
         checkpoint, run_dir = source, source.parent.parent
     else:
@@ -163,12 +159,51 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: str | None = None)
     check_checkpoint(checkpoint)
     if not RunDir(run_dir).config.is_file():
         raise ConfigError(f"{run_dir} (the run of {checkpoint}) has no config.toml")
+    return checkpoint, run_dir
+
+
+def merged_model_tensors(checkpoint: Path, cfg: ModelConfig, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """{name: tensor} of a checkpoint's whole model with its LoRA adapters fused into the weights.
+
+    An adapters-only checkpoint takes its base from the checkpoint it names, or (`init:<seed>`)
+    from the seeded initialisation of `cfg`. `dtype` applies to floating tensors after merging.
+    """
+    from polytrain.checkpoint.consolidate import read_model_tensors
+    from polytrain.checkpoint.trainer_state import read_state
+    from polytrain.lora import merge_state
+    from polytrain.models.common.init import init_plain
+
+    state = read_state(checkpoint)
+    tensors = read_model_tensors(checkpoint)
+    if state.adapters_only:
+        if state.base.startswith("init:"):
+            model = ARCHITECTURES[cfg.arch].build(cfg)
+            init_plain(model, int(state.base.removeprefix("init:")))
+            base = {k: v.detach() for k, v in model.state_dict().items()}
+        else:
+            base = read_model_tensors(state.base)
+        tensors = {**base, **tensors}
+    if state.lora is not None:
+        tensors = merge_state(tensors, state.lora)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    return tensors
+
+
+def export_hf(source: str | Path, out_dir: str | Path, dtype: str | None = None) -> Path:
+    """Write the model of a run (its newest checkpoint) or of one checkpoint as a Hugging Face directory.
+
+    dtype: "fp32", "bf16" or "fp16" for floating tensors; None keeps each tensor's stored dtype.
+    LoRA adapters are merged into the weights they adapt.
+    """
+    checkpoint, run_dir = resolve_checkpoint(source)
+    out_dir = Path(out_dir)
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; choose {', '.join(DTYPES)}")
     run_cfg = load_config(RunDir(run_dir).config)
     cfg = run_cfg.model
     hf = ARCHITECTURES[cfg.arch].hf()
-    state = read_model_tensors(checkpoint, DTYPES.get(dtype))
+    state = merged_model_tensors(checkpoint, cfg, DTYPES.get(dtype))
     hf_state = hf.state_to_hf(state, cfg)
     extras = _extras_dir(run_dir, run_cfg)
     base = extras / "config.json"

@@ -177,10 +177,11 @@ class FSDP2DataParallel:
     @torch.no_grad()
     def scale_gradients(self, factor: torch.Tensor | float) -> None:
         """Multiply every gradient by `factor` (clipping by a norm computed elsewhere)."""
-        for p in self.model.parameters():
-            if p.grad is not None:
-                # The local piece: one plain multiply instead of a DTensor dispatch.
-                (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(factor)
+        # The local pieces, in one multi-tensor multiply: no DTensor dispatch per tensor.
+        local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                 for p in self.model.parameters() if p.grad is not None]
+        if local:
+            torch._foreach_mul_(local, factor)
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale the gradients so their global norm is at most `max_norm`; return the norm before.

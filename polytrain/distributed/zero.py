@@ -210,8 +210,9 @@ class ZeroDataParallel:
         self.model = model
         # named_parameters lists a tied parameter once, under its first name, as
         # get_state_dict keys its optimizer state. Backward produces gradients
-        # roughly in reverse order, so buckets are filled from the end.
-        named = list(model.named_parameters())
+        # roughly in reverse order, so buckets are filled from the end. Frozen
+        # parameters (a LoRA base) get no master, gradient or optimizer state.
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.device = named[0][1].device
         self.buckets = plan_buckets(named[::-1], self.bucket_bytes, self.size, self.rank, self.store)
         by_param, by_fqn = {}, {}

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from polytrain.inference.continuous import generate_static
 from polytrain.models.common.kv_cache import KVCache
 
 
@@ -29,7 +30,9 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
              stop_tokens: set[int] | None = None,
              generator: torch.Generator | None = None,
              row_generators: list[torch.Generator] | None = None,
-             all_done: Callable[[bool], bool] | None = None) -> list[list[int]]:
+             all_done: Callable[[bool], bool] | None = None,
+             static_cache: bool = False, batch_size: int | None = None,
+             compile: bool = False) -> list[list[int]]:
     """Continue each prompt by up to `max_new_tokens` tokens; returns only the new tokens.
 
     temperature 0 picks the most likely token (greedy); otherwise logits are divided
@@ -39,10 +42,21 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
     (that token is included); generation ends when every row has ended or after
     max_new_tokens. `all_done(local)` lets ranks that generate through one sharded
     model agree on when to stop (every rank must run the same forwards).
+
+    static_cache: decode over a fixed-shape cache, at most `batch_size` prompts at once
+    (default all), a finished row taking the next prompt (continuous batching);
+    `compile` compiles the decoding step (implies static_cache). Greedy tokens are the
+    same either way; sampled ones come from the same distributions in another order.
     """
     _check_arguments(prompts, max_new_tokens, temperature, top_k, top_p)
     if row_generators is not None and len(row_generators) != len(prompts):
         raise ValueError(f"{len(row_generators)} row_generators for {len(prompts)} prompts")
+    static = static_cache or compile or batch_size is not None
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size = {batch_size} must be >= 1")
+    if static and (row_generators is not None or all_done is not None):
+        raise ValueError("row_generators and all_done need the padded batch (static_cache, batch_size "
+                         "and compile off): a refilled row changes prompts mid-run")
     longest = max(len(p) for p in prompts)
     max_seq_len = model.cfg.max_seq_len
     if longest + max_new_tokens > max_seq_len:
@@ -51,6 +65,12 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
                          "or ask for fewer tokens")
     if max_new_tokens == 0:
         return [[] for _ in prompts]
+
+    if static:
+        with _inference(model):
+            return generate_static(model, prompts, max_new_tokens,
+                                   lambda logits: sample(logits, temperature, top_k, top_p, generator),
+                                   stop_tokens or set(), batch_size, compile)
 
     device = next(model.parameters()).device
     batch = len(prompts)

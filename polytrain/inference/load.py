@@ -13,10 +13,12 @@ import torch
 
 from polytrain.backend import get_accelerator
 from polytrain.checkpoint import STATE_FILE, RunDir, latest_checkpoint, load_model_weights
-from polytrain.config import Config, load_config
+from polytrain.checkpoint.trainer_state import read_state
+from polytrain.config import Config, LoRAConfig, load_config
 from polytrain.data.tokenizer import Tokenizer
 from polytrain.errors import CheckpointError, ConfigError
 from polytrain.inference.generate import generate, generate_seq2seq
+from polytrain.lora import apply_lora, merge_adapters
 from polytrain.models import ARCHITECTURES
 
 
@@ -29,7 +31,8 @@ class LoadedRun:
 
 
 def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> LoadedRun:
-    """The model of `run_dir` with the weights of `checkpoint` (default: the newest), on one device."""
+    """The model of `run_dir` with the weights of `checkpoint` (default: the newest), on one device;
+    a checkpoint's LoRA adapters (and their base) are loaded and merged into the weights."""
     run = RunDir(run_dir)
     cfg = load_config(run.require_config())
     path = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir)
@@ -38,9 +41,14 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> Loade
     device = get_accelerator().device()
     with torch.device("meta"):  # no random init of weights about to be overwritten
         model = ARCHITECTURES[cfg.model.arch].build(cfg.model)
+    lora = read_state(path).lora
+    if lora is not None:
+        apply_lora(model, LoRAConfig(**lora))
     model.to_empty(device=device)
     model.init_buffers()
     load_model_weights(path, model)
+    if lora is not None:
+        merge_adapters(model)
     return LoadedRun(cfg, model.eval(), Tokenizer.load(run.tokenizer), path)
 
 

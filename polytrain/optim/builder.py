@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from polytrain.config import TrainConfig
 from polytrain.optim.lamb import Lamb
@@ -41,19 +42,25 @@ def make_optimizer(groups: list[dict], cfg: TrainConfig,
     tensor's pieces; the default reads DTensor placements (see trust.py). ZeRO-1/2 pass
     theirs, since their master shards are plain tensors.
 
-    Over sharded (DTensor) parameters, e.g. FSDP2's, the update runs as foreach ops:
-    each costs one DTensor dispatch for all tensors, where torch's per-tensor loop (its
-    choice on a CPU) pays one per tensor and op, as much as the arithmetic itself on a
-    small model. The math is the same elementwise; plain tensors keep torch's choice.
-    Not on meshes of more than two axes (a 2d tp grid x dp): there DTensor's first
-    foreach dispatch enumerates every placement combination across the tensors, which
-    takes minutes, where the per-tensor ops' propagation is quick and cached.
+    AdamW runs torch's fused kernel (one multi-tensor op per step) where the device has
+    one, on plain tensors and DTensor shards (FSDP2's, tensor parallelism's) alike: on a
+    CPU about 5x the speed of the per-tensor loop torch picks there by default, and 2-4x
+    that of foreach ops over FSDP2 shards (benchmarks/optimizer_step.py, RESULTS.md).
+    SGD over DTensors runs as foreach ops for the same reason. Neither on meshes of more
+    than two axes (a 2d tp grid x dp): there DTensor's first multi-tensor dispatch
+    enumerates every placement combination across the tensors, which takes minutes,
+    where the per-tensor ops' propagation is quick and cached. The math is the same
+    elementwise either way.
     """
-    meshes = [p.device_mesh.ndim for g in groups for p in g["params"] if isinstance(p, DTensor)]
-    foreach = True if meshes and max(meshes) <= 2 else None
+    params = [p for g in groups for p in g["params"]]
+    meshes = [p.device_mesh.ndim for p in params if isinstance(p, DTensor)]
+    multi_tensor = not meshes or max(meshes) <= 2
+    foreach = True if meshes and multi_tensor else None
     if cfg.optimizer == "adamw":
+        fused = multi_tensor and bool(params) and all(
+            p.device.type in _get_fused_kernels_supported_devices() for p in params)
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                                 foreach=foreach)
+                                 fused=fused or None, foreach=None if fused else foreach)
     if cfg.optimizer == "lamb":
         return Lamb(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                     trust_clip=cfg.trust_clip, square_sums=square_sums)

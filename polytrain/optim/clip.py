@@ -26,8 +26,8 @@ def sharded_grad_norm(shards: list[torch.Tensor], group: dist.ProcessGroup | Non
     flat buffer loses ~1e-6 relative accuracy. The scalar result lives on `device`
     (collectives run on the accelerator). `group` None: this rank holds everything.
     """
-    norms = [torch.linalg.vector_norm(g) for g in shards]
-    total = (torch.stack(norms).square().sum() if norms else torch.zeros(())).to(device)
+    # One multi-tensor op for all per-tensor norms.
+    total = (torch.stack(torch._foreach_norm(shards)).square().sum() if shards else torch.zeros(())).to(device)
     if group is not None:
         dist.all_reduce(total, group=group)
     return total.sqrt()
@@ -49,7 +49,7 @@ def squared_norm_share(grads: list[torch.Tensor], stage_ranks: int, device: torc
     squared norm on each of them, so one all-reduce over the world (which also adds
     the pipeline stages up) gives the norm without knowing which axis is which.
     """
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    weights, local = [], []
     for g in grads:
         pieces = 1
         if isinstance(g, DTensor):
@@ -58,8 +58,12 @@ def squared_norm_share(grads: list[torch.Tensor], stage_ranks: int, device: torc
             # uses _StridedShard, which is_shard() does not report.
             pieces = math.prod(mesh.size(i) for i, p in enumerate(g.placements) if not p.is_replicate())
             g = g.to_local()
-        total += torch.linalg.vector_norm(g.float()).square().to(device) * (pieces / stage_ranks)
-    return total
+        weights.append(pieces / stage_ranks)
+        local.append(g.float())
+    if not local:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    squares = torch.stack(torch._foreach_norm(local)).square()  # (n,): one multi-tensor op for all norms
+    return (squares * torch.tensor(weights, device=squares.device)).sum().to(device)
 
 
 def global_norm(share: torch.Tensor) -> torch.Tensor:

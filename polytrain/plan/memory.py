@@ -17,12 +17,13 @@ rank holds at once (1F1B: pp - rank; GPipe: all; interleaved: Megatron's factor
 the backward: hidden states, or the last stage's logits), plus the loss: three
 (tokens x vocab/tp) fp32 buffers and the 16-bit logits for the plain loss, one chunk of
 them for the chunked loss (which makes the head's gradient and the hidden states'
-gradient during forward).
+gradient during forward; under tp its vocabulary rows, and on a pipeline's last stage per
+micro-batch in flight).
 
 The peak is the larger of two moments: the end of a micro-batch's forward (all its
 activations, the loss, gradients kept from earlier micro-batches) and the optimizer
-step (gradients whole, plus the update's temporaries: one parameter-sized buffer for
-foreach AdamW and for LAMB/LARS, which make every update before any trust ratio).
+step (gradients whole, plus the update's temporaries: none for the fused AdamW, one
+parameter-sized buffer for LAMB/LARS, which make every update before any trust ratio).
 On top comes the device's `context_bytes` (runtime, communicators, allocator slack).
 """
 
@@ -204,15 +205,19 @@ def _rank_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Cluste
     flight = in_flight(layout, pp_rank)
     activations = flight * (tokens * per_token + copies)
     if layout.pp > 1:  # the schedule keeps each in-flight micro-batch's stage output for its backward
-        width = m.vocab_size / tp * cb if rank.last else m.dim * FP32 / (tp if layout.sp else 1)
+        # (the last stage's: its logits, or with the chunked loss its hidden states, which it scores)
+        logits = rank.last and not _chunked(cfg, layout)
+        width = m.vocab_size / tp * cb if logits else m.dim * FP32 / (tp if layout.sp and not rank.last else 1)
         activations += flight * tokens * width
     if layout.activation_checkpoint == "full" and rank.blocks:  # one block recomputed in backward
         activations += tokens * block_bytes_per_token(family, dims, cb, act_tp, act_sp) / (tp if grid else 1)
         activations += autocast_weight_bytes(block_matrices, cb, "none")
     loss = _loss_bytes(cfg, layout, tokens, cb, flight) if rank.last else 0.0
     head_grad = 0.0
-    if rank.last and _chunked(cfg, layout):  # made in forward: the head's gradient and the hidden states'
-        head_grad = FP32 * (m.vocab_size * m.dim + tokens * m.dim)
+    if rank.last and _chunked(cfg, layout):
+        # Made in forward, kept per micro-batch in flight: the head's (vocabulary rows') gradient
+        # and the hidden states'.
+        head_grad = flight * FP32 * (m.vocab_size / tp * m.dim + tokens * m.dim)
 
     # ----- the two moments -----
     forward = {**parts, "gradients": grads_kept + head_grad, "activations": activations, "loss": loss}
@@ -238,34 +243,43 @@ def _rank_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Cluste
 
 def chunk_tokens(tokens: float, dim: int, vocab_size: int) -> float:
     """Tokens per chunk of the chunked loss: logits about the size of the hidden states, at least 256
-    (train/chunked_loss.py's rule; tests/unit/test_plan.py holds the two equal)."""
+    (distributed/linear_cross_entropy.py's rule; tests/unit/test_plan.py holds the two equal)."""
     return max(CHUNKED_LOSS_MIN_TOKENS, -(-tokens * dim // vocab_size))
 
 
 def _update_temporaries(optimizer: str, opt_params: float, largest: float, cluster: Cluster,
                         layout: Layout) -> float:
-    """Buffers the optimizer step allocates: one parameter-sized fp32 buffer when every tensor's
-    update exists at once (LAMB/LARS; foreach AdamW: on accelerators, and over FSDP2's DTensors),
-    else a few of the largest tensor's size (torch's per-tensor loop on a CPU)."""
-    fsdp_dtensors = layout.zero in (0, 3) and (layout.dp > 1 or layout.tp > 1)
-    foreach = not cluster.device.cores_per_node or fsdp_dtensors
-    if optimizer in ALL_AT_ONCE_UPDATES or (optimizer == "adamw" and foreach):
+    """Buffers the optimizer step allocates (optim/builder.py's choice of implementation):
+
+    AdamW runs torch's fused kernel, in place, except over meshes of more than two axes (a
+    tp grid x dp), where it loops per tensor; LAMB/LARS make every tensor's update before any
+    trust ratio (one parameter-sized buffer); SGD's foreach weight decay over DTensors makes
+    one too. A per-tensor loop needs a few of the largest tensor's size."""
+    grid = layout.tp_mode if layout.tp > 1 else "1d"
+    multi_tensor = grid == "1d" or (grid == "2d" and layout.dp == 1)  # meshes of at most two axes
+    if optimizer in ALL_AT_ONCE_UPDATES:
+        return FP32 * opt_params
+    if optimizer == "adamw" and multi_tensor:
+        return 0.0
+    dtensors = layout.zero in (0, 3) and (layout.dp > 1 or layout.tp > 1)
+    if optimizer == "sgd" and dtensors and multi_tensor:
         return FP32 * opt_params
     return 2 * FP32 * largest
 
 
 def _chunked(cfg: Config, layout: Layout) -> bool:
-    """Whether the trainer swaps in the chunked loss head (train.chunked_loss, without tp or pp)."""
-    return cfg.train.chunked_loss and layout.tp == 1 and layout.pp == 1
+    """Whether the trainer swaps in the chunked loss head (train.chunked_loss; not on a 2d/2.5d/3d grid)."""
+    return cfg.train.chunked_loss and (layout.tp == 1 or layout.tp_mode == "1d")
 
 
 def _loss_bytes(cfg: Config, layout: Layout, tokens: float, cb: int, flight: float) -> float:
     """The loss's peak: a chunk of logits for the chunked loss, else (tokens x vocab/tp) buffers."""
     m = cfg.model
-    if _chunked(cfg, layout):
-        chunk = min(tokens, chunk_tokens(tokens, m.dim, m.vocab_size))
-        low = m.vocab_size * m.dim * cb if cb < FP32 else 0.0  # the weight cast once per call
-        return chunk * m.vocab_size * (2 * FP32 + cb) + low
+    if _chunked(cfg, layout):  # this rank's vocabulary rows under tp
+        vocab = m.vocab_size / layout.tp
+        chunk = min(tokens, chunk_tokens(tokens, m.dim, vocab))
+        low = vocab * m.dim * cb if cb < FP32 else 0.0  # the weight cast once per call
+        return chunk * vocab * (2 * FP32 + cb) + low
     vocab = m.vocab_size / layout.tp
     saved = tokens * vocab * FP32  # log-softmax output, kept per micro-batch in flight
     # the logits in the head's dtype, an fp32 copy of them (autocast), and backward's two gradients

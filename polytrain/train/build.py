@@ -8,8 +8,9 @@
 The order, on the meta device until the last step (so no rank ever holds the whole model
 unless its layout keeps it whole):
 
-    build (registry) -> pipeline split -> chunked loss head -> tensor/sequence parallel ->
-    activation checkpointing -> data parallel / ZeRO -> real weights (seeded by name)
+    build (registry) -> chunked loss head -> pipeline split -> LoRA adapters -> tensor/sequence
+    parallel -> compiled blocks -> activation checkpointing -> data parallel / ZeRO -> real weights
+    (seeded by name)
     [-> tied copies, autocast and the runner, for pipelines]
 
 The trainer, `polytrain.initialize` and later engines (RLHF's four models) all build
@@ -35,8 +36,10 @@ from polytrain.distributed.pipeline.build import StageShapes, build_pipeline
 from polytrain.distributed.runtime import Runtime
 from polytrain.distributed.tensor_parallel import Context, parallelize_model
 from polytrain.errors import ConfigError
+from polytrain.lora import adapter_parameter_count, apply_lora
 from polytrain.models import ARCHITECTURES
-from polytrain.train.loss import ModelLoss, attach_loss_head, logits_loss_for
+from polytrain.train.compiled import CompileTimer, compile_blocks
+from polytrain.train.loss import ModelLoss, attach_loss_head, deferred_loss, logits_loss_for, scoring_head
 
 AUTOCAST = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -56,8 +59,12 @@ class BuiltModel:
     tp_ctx: Context | None
     """What its tensor-parallel layers share (None without tp)."""
     num_params: int
-    """Parameters of the whole model, whatever part of it this rank holds."""
+    """Parameters of the whole model, whatever part of it this rank holds (without LoRA adapters)."""
     flops_per_token: float
+    num_adapter_params: int = 0
+    """Parameters the LoRA adapters add to the whole model (0 without lora.rank)."""
+    compile_timer: CompileTimer | None = None
+    """Compile time, graphs and graph breaks of this process since the blocks were compiled (train.compile)."""
 
 
 def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = None,
@@ -65,31 +72,44 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
     """`cfg.model` from the registry, laid out by `runtime` (and `pipeline`, the layout's plan).
 
     `cfg.train` picks activation checkpointing, the chunked loss and the pipeline's autocast;
-    `cfg.parallel` the data-parallel strategy; `run_dir` holds nvme offload files by default.
+    `cfg.parallel` the data-parallel strategy; `cfg.lora` the adapters (on each stage, before
+    tensor parallelism splits them with their base weights); `run_dir` holds nvme offload
+    files by default.
     """
     arch = ARCHITECTURES[cfg.model.arch]
     with torch.device("meta"):
         model = arch.build(cfg.model)
     num_params, flops = model.num_params(), model.flops_per_token(cfg.data.seq_len)
+    adapters = adapter_parameter_count(model, cfg.lora) if cfg.lora.rank else 0
+    chunked = attach_loss_head(model, cfg.train, runtime.dims)  # before the split: the last stage copies it
     stages = split_model(model, pipeline, runtime.axis_rank("pp")) if pipeline else {"": model}
-    head = attach_loss_head(model, cfg.train, runtime.dims, pipelined=pipeline is not None)
+    if cfg.lora.rank:
+        for stage in stages.values():
+            apply_lora(stage, cfg.lora)
     plan = arch.tp_plan(cfg.model) if runtime.dims.tp > 1 else None
-    tp_ctx = None
+    tp_ctx, compiled = None, 0
     for stage in stages.values():
         tp_ctx = parallelize_model(stage, plan, runtime)  # the same context kind on every stage
+        compiled += compile_blocks(stage) if cfg.train.compile else 0  # tp inside, recomputation around
         apply_activation_checkpointing(stage, cfg.train.activation_checkpoint)
+    timer = CompileTimer.started(compiled) if cfg.train.compile else None  # dp's hooks stay outside
+    head = scoring_head(stages, pipeline) if chunked else None
+    dtype = AUTOCAST[cfg.train.precision]
     dp = build_data_parallel(runtime, cfg.parallel, run_dir)
     model = dp.parallelize(stages if pipeline else model)
     runner = None
     if pipeline:
         shapes = StageShapes(cfg.train.micro_batch_size, cfg.data.seq_len, cfg.model.dim, cfg.model.vocab_size)
-        dtype = AUTOCAST[cfg.train.precision]
         runner = build_pipeline(model, pipeline, runtime, dp, shapes, seed=cfg.run.seed,
-                                tied=cfg.model.tie_embeddings, autocast=lambda: runtime.acc.autocast(dtype))
+                                tied=cfg.model.tie_embeddings, autocast=lambda: runtime.acc.autocast(dtype),
+                                head_scores=chunked)
     else:
         materialize(model, runtime.device, cfg.run.seed)
-    loss = ModelLoss(logits_loss_for(tp_ctx, cfg.model.vocab_size), head)
-    return BuiltModel(model, dp, loss, runner, tp_ctx, num_params, flops)
+    logits_loss = logits_loss_for(tp_ctx, cfg.model.vocab_size)
+    if head is not None and head.deferred:
+        logits_loss = deferred_loss(head, lambda: runtime.acc.autocast(dtype))
+    loss = ModelLoss(logits_loss, head)
+    return BuiltModel(model, dp, loss, runner, tp_ctx, num_params, flops, adapters, timer)
 
 
 def place_model(runtime: Runtime, module: nn.Module, cfg: Config, seed: int) -> BuiltModel:

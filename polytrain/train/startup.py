@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from polytrain.backend import get_accelerator
 from polytrain.config import Config, TrainConfig
 from polytrain.data.batch_schedule import check_batch_schedule
@@ -26,6 +28,7 @@ from polytrain.distributed.tensor_parallel.checks import SplitRules, check_tenso
 from polytrain.distributed.topology import ParallelDims
 from polytrain.distributed.world import init_world
 from polytrain.errors import ConfigError
+from polytrain.lora import target_names
 from polytrain.models import ARCHITECTURES
 
 
@@ -110,7 +113,18 @@ def plan_layout(cfg: Config, world_size: int) -> Layout:
                           f"parallel.tp / parallel.dp")
     pipeline = plan_from_config(cfg, dims.dp, arch.embedding_units, arch.head_units)
     check_batch_schedule(cfg, dims.dp, pipeline)  # every ramp-up size splits on this layout too
+    if cfg.lora.rank:
+        check_lora(cfg, dims)
     return Layout(dims, batch, pipeline)
+
+
+def check_lora(cfg: Config, dims: ParallelDims) -> None:
+    """The adapters' targets exist in the model and its tensor-parallel mode can split them."""
+    if dims.tp > 1 and dims.tp_mode != "1d":
+        raise ConfigError(f"lora adapters split with parallel.tp_mode = '1d' only, not '{dims.tp_mode}'; "
+                          "set parallel.tp_mode = '1d' or lora.rank = 0")
+    with torch.device("meta"):
+        target_names(ARCHITECTURES[cfg.model.arch].build(cfg.model), cfg.lora.targets)
 
 
 def start(cfg: Config) -> tuple[Runtime, Layout]:

@@ -37,6 +37,7 @@ from polytrain.distributed.watchdog import Watchdog, hang_directory
 from polytrain.distributed.world import barrier, max_over_world, mean_over_world
 from polytrain.errors import TrainingDiverged
 from polytrain.inference.generate import generate
+from polytrain.lora import lora_record
 from polytrain.models.registry import shape_config
 from polytrain.optim.schedule import set_lr
 from polytrain.train.build import AUTOCAST, build_model
@@ -74,6 +75,11 @@ class Trainer:
         built = build_model(self.runtime, cfg, self.layout.pipeline, run_dir=self.run_dir)
         self.model, self.dp, self.loss, self.pipeline = built.model, built.dp, built.loss, built.pipeline
         self.num_params, self.flops_per_token = built.num_params, built.flops_per_token
+        self.compile_timer = built.compile_timer  # train.compile: reported after the first step
+        self.num_adapter_params = built.num_adapter_params
+        # Adapters-only checkpoints name where their frozen base comes from (set again on loading).
+        lo = cfg.lora
+        self.base = f"init:{cfg.run.seed}" if lo.rank and lo.only_optimize else None
         # The optimizer whose param_groups carry the learning rate (ZeRO: the one over master shards).
         self.optimizer = self.dp.build_optimizer(self.model, cfg.train)
         self.train_data, self.val_data = self.corpus.train, self.corpus.val  # one corpus, or a blend
@@ -149,9 +155,12 @@ class Trainer:
         # Hyperparameters come from this run's config, not the checkpoint's
         # (loading optimizer state would otherwise bring back the old lr, betas, decay).
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        state = self.checkpointer.load(path, self.dp, self._trainer_state())
+        state = self.checkpointer.load(path, self.dp, self._trainer_state(), seed=self.cfg.run.seed)
         for group, values in zip(self.optimizer.param_groups, hyper):
             group.update(values)
+        if self.base is not None:
+            # The base weights now in the model: those of `path`'s base, or of `path` itself.
+            self.base = state.base if state.adapters_only else str(path.resolve())
         if state.weights_only:  # an imported model: its weights, then a fresh run from step 0
             if self.world.is_main:
                 print(f"initialised from the weights of {path}", flush=True)
@@ -172,6 +181,7 @@ class Trainer:
             step=self.step, sampler=self.sampler.state_dict(), optimizer=self.cfg.train.optimizer,
             model_config=shape_config(self.cfg.model), world_size=self.world.world_size,
             loss_scaler=self.scaler.state_dict() if self.scaler else None,
+            lora=lora_record(self.cfg.lora), base=self.base,
         )
 
     def save(self) -> Path:
@@ -290,6 +300,8 @@ class Trainer:
                 with self.watchdog.watch("step", self.step + 1):
                     stats = self.train_step()
                 step = self.step
+                if self.compile_timer is not None and step == first_step + 1 and main:
+                    bar.write(self.compile_timer.describe())  # the first step compiled the blocks
                 if step % cfg.run.log_every == 0 or step == cfg.run.steps:
                     self.acc.synchronize()
                     now = time.perf_counter()
@@ -361,7 +373,10 @@ class Trainer:
             plan = self.pipeline.plan
             layout += (f" | pipeline {plan.schedule}: {plan.num_stages} stages, {plan.microbatches} "
                        f"micro-batches x {plan.runs} run(s) per step")
-        return (f"model {m.arch} {m.size}: {self.num_params / 1e6:.1f}M parameters | {layout} | "
+        lo = self.cfg.lora
+        adapters = (f" + LoRA r={lo.rank}: {self.num_adapter_params / 1e6:.2f}M"
+                    f"{' trained, base frozen' if lo.only_optimize else ''}") if lo.rank else ""
+        return (f"model {m.arch} {m.size}: {self.num_params / 1e6:.1f}M parameters{adapters} | {layout} | "
                 f"{self.acc.describe()}\n"
                 f"global batch {t.global_batch_size} x {self.cfg.data.seq_len} tokens "
                 f"({t.micro_batch_size} per micro-batch, {self.batch.accum_steps} accumulation steps"

@@ -74,3 +74,13 @@ def test_t5_greedy_generation_matches_transformers(kw, tmp_path):
     theirs = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW,
                          do_sample=False)[:, 1:].tolist()  # after the start token
     assert generate_seq2seq(model, batch, NEW, temperature=0, start_token=0) == theirs
+
+
+@pytest.mark.parametrize("case", ["gpt2", "llama-gqa"])
+def test_static_cache_refilled_as_rows_finish_matches_transformers(case, tmp_path):
+    """A static cache of 2 rows for 3 prompts (the third refills a finished row) gives
+    transformers' tokens; the compiled step equals this path (tests/unit/test_generate.py)."""
+    hf, _ = CASES[case](tmp_path)
+    model, _ = load_hf(hf_models.save(hf, tmp_path / "hf"))
+    batch = prompts(hf.config.vocab_size, [3, 11, 6])
+    assert generate(model, batch, NEW, temperature=0, batch_size=2) == hf_greedy(hf, batch)

@@ -106,7 +106,7 @@ def test_restores_training_mode_and_keeps_no_graph(model):
     assert not model.training
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_k=0), dict(top_p=0.0),
+@pytest.mark.parametrize("kwargs", [dict(batch_size=0), dict(temperature=-1), dict(top_k=0), dict(top_p=0.0),
                                     dict(top_p=1.5)])
 def test_bad_arguments_rejected(model, kwargs):
     with pytest.raises(ValueError):
@@ -115,3 +115,38 @@ def test_bad_arguments_rejected(model, kwargs):
 
 def test_zero_new_tokens(model):
     assert generate(model, PROMPTS, 0) == [[], [], []]
+
+
+def test_static_cache_with_continuous_refill_equals_the_padded_batch(model):
+    """5 prompts on 2 rows: rows that stop take the next prompt; greedy tokens are today's."""
+    prompts = PROMPTS + [[9, 9, 9, 9, 9, 9, 9, 9, 9], [31]]
+    free = generate(model, prompts, 10, temperature=0)
+    stop = {free[0][3]}  # ends some rows early, so rows are refilled at different steps
+    padded = generate(model, prompts, 10, temperature=0, stop_tokens=stop)
+    assert len({len(row) for row in padded}) > 1
+    for kw in (dict(static_cache=True), dict(batch_size=2), dict(batch_size=1)):
+        assert generate(model, prompts, 10, temperature=0, **kw) == free, kw
+        assert generate(model, prompts, 10, temperature=0, stop_tokens=stop, **kw) == padded, kw
+
+
+def test_compiled_static_decoding_equals_eager_and_compiles_once(model):
+    from torch._dynamo.utils import counters
+
+    from polytrain.inference import continuous
+
+    before, backend = counters["stats"]["unique_graphs"], continuous.BACKEND
+    continuous.BACKEND = "aot_eager"  # the graph, not inductor's kernels (test_compile.py has those)
+    try:
+        out = generate(model, PROMPTS, 10, temperature=0, batch_size=2, compile=True)
+    finally:
+        continuous.BACKEND = backend
+    assert out == generate(model, PROMPTS, 10, temperature=0)
+    assert counters["stats"]["unique_graphs"] - before == 1  # every decoding step: one graph
+
+
+def test_static_sampling_is_reproducible_and_follows_the_filters(model):
+    g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    a = generate(model, PROMPTS, 8, temperature=0.9, top_k=5, generator=g(), batch_size=2)
+    assert a == generate(model, PROMPTS, 8, temperature=0.9, top_k=5, generator=g(), batch_size=2)
+    assert generate(model, PROMPTS, 8, temperature=1.0, top_k=1, batch_size=2) == \
+        generate(model, PROMPTS, 8, temperature=0)

@@ -99,7 +99,7 @@ def test_pipeline_micro_batches_in_flight_and_bubble():
 
 
 def test_chunk_size_follows_the_trainer():
-    from polytrain.train.chunked_loss import chunk_tokens as trainer_rule
+    from polytrain.distributed.linear_cross_entropy import chunk_tokens as trainer_rule
 
     for n, d, v in ((2048, 384, 8192), (100, 4096, 32000), (65536, 8192, 128256)):
         assert chunk_tokens(n, d, v) == trainer_rule(n, d, v)
@@ -122,7 +122,7 @@ def test_command_line_json_and_nothing_fits(capsys):
     assert len(rows) == 3 and rows[0]["fits"] and rows[0]["step_time_s"] <= rows[1]["step_time_s"]
     assert {"parallel.nproc", "parallel.tp", "parallel.zero", "train.micro_batch_size", "memory_gb",
             "step_time_s"} <= set(rows[0])
-    assert main(["plan", "--devices", "1", "--device", "A100-40GB", "--model.size", "7b",
+    assert main(["plan", "--devices", "1", "--device", "A100-40GB", "--device-memory", "24GB", "--model.size", "7b",
                  "--train.global_batch_size", "8"]) == 0
     out = capsys.readouterr().out
     assert "nothing fits. Closest:" in out

@@ -39,11 +39,13 @@ class StageShapes:
 
 
 def build_pipeline(stages: nn.ModuleDict, plan: PipelinePlan, runtime: Runtime, dp, shapes: StageShapes, *,
-                   seed: int, tied: bool, autocast: Callable[[], ContextManager]) -> PipelineRunner:
+                   seed: int, tied: bool, autocast: Callable[[], ContextManager],
+                   head_scores: bool = False) -> PipelineRunner:
     """Materialize this rank's parallelized `stages` (on meta) and return the runner over them.
 
     `dp`: the PipelineDataParallel that parallelized them; `tied`: the model ties its
-    embedding and output head (the last stage then holds a copy).
+    embedding and output head (the last stage then holds a copy); `head_scores`: the last
+    stage's head is a deferred chunked-loss head, so the stage outputs hidden states.
     """
     copies = TiedEmbeddings(stages, plan, runtime.mesh) if tied else None
     for stage in stages.values():
@@ -57,6 +59,7 @@ def build_pipeline(stages: nn.ModuleDict, plan: PipelinePlan, runtime: Runtime, 
     vocab = shard_sizes(shapes.vocab_size, dims.tp)[runtime.axis_rank("tp")]
     mbs, seq = shapes.micro_batch_size, shapes.seq_len
     hidden = (mbs, seq // dims.tp if dims.sp else seq, shapes.dim)
+    out = hidden if head_scores else (mbs, seq, vocab)
     return PipelineRunner(plan, stages, runtime.axis_rank("pp"), runtime.mesh["pp"].get_group(), runtime.device,
-                          mbs, seq, hidden_shape=hidden, logits_shape=(mbs, seq, vocab),
+                          mbs, seq, hidden_shape=hidden, logits_shape=out,
                           after_backward=copies.sum_gradients if copies else None)

@@ -73,6 +73,8 @@ class TiedEmbeddings:
         """
         embedding = self.first.tok_embeddings.weight if self.first is not None else None
         head = self.last.output.weight if self.last is not None else None
+        if not any(w is not None and w.requires_grad for w in (embedding, head)):
+            return  # neither copy here, or frozen (a LoRA base): the copies stay equal
         if embedding is not None and head is not None:  # ZB-V: both on this rank
             total = _local(embedding.grad) + _local(head.grad)
             _local(embedding.grad).copy_(total)

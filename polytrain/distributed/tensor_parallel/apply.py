@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from polytrain.distributed.rng import DropoutRNG
 from polytrain.distributed.tensor_parallel.plan import Context, parallelize_tp
+from polytrain.lora import LoRALinear
 from polytrain.models.common.plan import Plan
 
 if TYPE_CHECKING:
@@ -29,13 +30,18 @@ def parallelize_model(model: nn.Module, plan: Plan | None, runtime: Runtime) -> 
     """
     dims, mesh = runtime.dims, runtime.mesh
     dropout = None
-    if model.cfg.dropout > 0 and mesh is not None:
+    if _draws_dropout(model) and mesh is not None:
         dropout = DropoutRNG(runtime.acc, runtime.coordinates)
     if dims.tp == 1:
         if dropout is not None:
             _fork_residual_stream(model, dropout)
         return None
     return parallelize_tp(model, plan, dims.tp_mesh(mesh), dims.sp, dims.tp_mode, dropout)
+
+
+def _draws_dropout(model: nn.Module) -> bool:
+    """The model's own dropout, or its LoRA adapters' (model.dropout = 0 with lora.dropout > 0)."""
+    return model.cfg.dropout > 0 or any(isinstance(m, LoRALinear) and m.dropout > 0 for m in model.modules())
 
 
 def _fork_residual_stream(model: nn.Module, dropout: DropoutRNG) -> None:

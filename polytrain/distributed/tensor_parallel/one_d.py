@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
 from polytrain.distributed.collectives import copy_to_tp, gather_from_tp
+from polytrain.distributed.linear_cross_entropy import ScoringHead, chunk_tokens, linear_cross_entropy
 from polytrain.distributed.tensor_parallel.context import TPContext
 from polytrain.distributed.tensor_parallel.shards import shard_range, shard_sizes
 
@@ -94,10 +95,14 @@ class RowParallelLinear(nn.Module):
         self.bias = ctx.distribute(linear.bias, [Replicate()]) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ctx.leave(F.linear(x, self.weight.to_local()))  # (B, T, out) or (B, T/tp, out)
+        y = self.ctx.leave(self.partial(x))  # (B, T, out) or (B, T/tp, out)
         if self.bias is not None:
             y = y + self.ctx.residual_param(self.bias)
         return y
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum (B, T, out) of y without the bias, before leaving the region."""
+        return F.linear(x, self.weight.to_local())
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, tp={self.ctx.size}"
@@ -132,13 +137,15 @@ class VocabParallelEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.start}, {self.end}) of tp={self.ctx.size}"
 
 
-class VocabParallelHead(nn.Module):
+class VocabParallelHead(ScoringHead, nn.Module):
     """Output projection with the vocabulary split over tp: weight (V, D) and bias (V,) Shard(0).
 
     Returns this rank's logits (B, T, V/tp): the full (B, T, V) never exists during
     training; the vocabulary-parallel cross-entropy works on the shards. While decoding
     (ctx.full_logits) it gathers them, since sampling needs every token's logit. A bias
     (BERT's per-token output bias) belongs to its vocabulary rows, so it is split with them.
+    While scoring (the chunked loss) it returns the loss and no rank holds even its
+    (B, T, V/tp) logits whole, only a chunk of tokens' at a time.
     """
 
     def __init__(self, linear: nn.Linear, ctx: TPContext):
@@ -146,8 +153,22 @@ class VocabParallelHead(nn.Module):
         self.in_features, self.out_features, self.ctx = linear.in_features, linear.out_features, ctx
         self.weight = ctx.distribute(linear.weight, [Shard(0)])  # the embedding's, when tied
         self.bias = ctx.distribute(linear.bias, [Shard(0)]) if linear.bias is not None else None
+        self.vocab_start = shard_range(self.out_features, ctx.size, ctx.rank)[0]
+
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean loss of hidden (B, T, D) or under SP (B, T/tp, D) against targets (B, T); equal on all tp ranks."""
+        bias = self.bias.to_local() if self.bias is not None else None
+        hidden = self.ctx.enter(hidden)  # (B, T, D) on every rank
+        # Every rank must run as many chunks (one all-gather each): sized by the largest shard.
+        chunk = chunk_tokens(hidden.numel() // self.in_features, self.in_features,
+                             max(shard_sizes(self.out_features, self.ctx.size)))
+        return linear_cross_entropy(hidden, self.weight.to_local(), bias, targets, chunk,
+                                    vocab_start=self.vocab_start, group=self.ctx.group)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        scored = self.scored_forward(h)
+        if scored is not None:
+            return scored
         bias = self.bias.to_local() if self.bias is not None else None
         logits = F.linear(self.ctx.enter(h), self.weight.to_local(), bias)  # (B, T, V/tp)
         if self.ctx.full_logits:

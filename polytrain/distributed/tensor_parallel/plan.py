@@ -35,6 +35,8 @@ from polytrain.distributed.rng import DropoutRNG
 from polytrain.distributed.tensor_parallel import one_d, summa, three_d
 from polytrain.distributed.tensor_parallel.context import TPContext
 from polytrain.distributed.tensor_parallel.grid import Grid
+from polytrain.distributed.tensor_parallel.lora import ColumnParallelLoRA, RowParallelLoRA
+from polytrain.lora import LoRALinear
 from polytrain.models.common.plan import Plan, Style
 
 Context = TPContext | Grid
@@ -64,8 +66,10 @@ ONE_D: dict[str, Implementation] = {
     "residual_table": lambda m, s, ctx: one_d.residual_table(m, ctx),
     "column_table": lambda m, s, ctx: one_d.column_table(m, ctx),
     "region": lambda m, s, ctx: one_d.region(m, ctx, s.sharded_methods, s.inputs),
-    "column": lambda m, s, ctx: one_d.ColumnParallelLinear(m, ctx, s.unit, s.shared_units),
-    "row": lambda m, s, ctx: one_d.RowParallelLinear(m, ctx),
+    # A LoRALinear's adapters split with its base weight (lora.py).
+    "column": lambda m, s, ctx: (ColumnParallelLoRA if isinstance(m, LoRALinear) else one_d.ColumnParallelLinear)(
+        m, ctx, s.unit, s.shared_units),
+    "row": lambda m, s, ctx: (RowParallelLoRA if isinstance(m, LoRALinear) else one_d.RowParallelLinear)(m, ctx),
     "vocab_head": lambda m, s, ctx: one_d.VocabParallelHead(m, ctx),
 }
 
@@ -97,8 +101,10 @@ def parallelize_tp(model: nn.Module, plan: Plan, mesh: DeviceMesh, sp: bool, mod
     """
     if mode not in MODES:
         raise ValueError(f"tensor-parallel mode {mode!r} has no implementation; available: {', '.join(MODES)}")
-    ctx = MODES[mode].context(mesh, sp, dropout)
     modules = dict(model.named_modules())
+    if mode != "1d" and any(isinstance(m, LoRALinear) for m in modules.values()):
+        raise ValueError(f"LoRA adapters split with tp_mode 1d only, not {mode}")
+    ctx = MODES[mode].context(mesh, sp, dropout)
     for pattern, style in plan.items():
         for name in [n for n in modules if matches(pattern, n)]:
             new = MODES[mode].roles[style.role](modules[name], style, ctx)

@@ -88,3 +88,76 @@ class KVCache:
         else:
             mask = mask[None]  # (1, T, S)
         return mask[:, None]  # (B or 1, 1, T, S)
+
+
+class StaticKVCache:
+    """Fixed-shape keys and values for compiled, continuously refilled decoding.
+
+    Buffers (B, n_kv_heads, max_len, head_dim) per layer, allocated once. Every row starts
+    its sequence at slot 0 and advances on its own: `lengths[b]` is the slot row b writes
+    next, so rows can hold prompts of any length and a finished row can take a new prompt
+    while the others keep decoding. A decoding forward feeds one token per row and returns
+    the whole buffers with a mask hiding each row's unwritten slots, so every step has the
+    same shapes (one compiled graph); the model's `start_pos` is not used (the rows' own
+    slots are). `row(b)` prefills row b's prompt through the ordinary cache interface.
+    """
+
+    def __init__(self, batch_size: int, max_len: int, device: torch.device | str = "cpu"):
+        self.batch_size = batch_size
+        self.max_len = max_len
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,) next slot per row
+        self._slots = torch.arange(max_len, device=device)  # (S,)
+        self._rows = torch.arange(batch_size, device=device)  # (B,)
+        self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def buffers(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s (B, Hkv, S, D) key and value buffers, made like `like` (.., Hkv, T, D) at first use."""
+        if layer not in self._kv:
+            shape = (self.batch_size, like.shape[1], self.max_len, like.shape[3])
+            self._kv[layer] = (like.new_zeros(shape), like.new_zeros(shape))
+        return self._kv[layer]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+               start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write one token per row, k and v (B, Hkv, 1, D), at slot lengths[b]; returns the whole buffers."""
+        if k.shape[2] != 1:
+            raise ValueError("a static cache decodes one token per row; prefill rows with cache.row(b)")
+        cache_k, cache_v = self.buffers(layer, k)
+        cache_k[self._rows, :, self.lengths] = k[:, :, 0]  # (B, Hkv, D) into slot lengths[b] of row b
+        cache_v[self._rows, :, self.lengths] = v[:, :, 0]
+        return cache_k, cache_v
+
+    def positions(self, start_pos: int, seqlen: int, device: torch.device) -> torch.Tensor:
+        """(B, 1) each row's position: its slot (rows start at slot 0)."""
+        return self.lengths[:, None]
+
+    def attn_mask(self, start_pos: int, seqlen: int, device: torch.device) -> torch.Tensor:
+        """(B, 1, 1, S) True for the slots each row has written, its new token's included."""
+        return (self._slots[None, :] <= self.lengths[:, None])[:, None, None, :]
+
+    def advance(self) -> None:
+        """After a decoding forward: every row moves to its next slot (a finished row's is reset on refill)."""
+        self.lengths.add_(1).clamp_(max=self.max_len - 1)
+
+    def row(self, b: int) -> KVCache:
+        """A one-row cache writing row b's slots from 0, for prefilling its prompt; sets lengths[b] after."""
+        return _RowCache(self, b)
+
+
+class _RowCache(KVCache):
+    """Row b of a StaticKVCache seen as a batch-1 KVCache (prefill: slots 0..T-1, causal)."""
+
+    def __init__(self, parent: StaticKVCache, b: int):
+        super().__init__(1, parent.max_len)
+        self.parent, self.b = parent, b
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+               start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        end = start_pos + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; writing up to {end}")
+        cache_k, cache_v = self.parent.buffers(layer, k)
+        cache_k[self.b, :, start_pos:end] = k[0]
+        cache_v[self.b, :, start_pos:end] = v[0]
+        self.parent.lengths[self.b] = end
+        return cache_k[self.b:self.b + 1, :, :end], cache_v[self.b:self.b + 1, :, :end]

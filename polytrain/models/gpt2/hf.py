@@ -17,6 +17,13 @@ from polytrain.models.registry import model_config
 ARCHITECTURE = "GPT2LMHeadModel"
 PREFIXES = ("transformer.", "")  # GPT2LMHeadModel / GPT2Model checkpoints
 IGNORE = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in old checkpoints
+# LoRA adapters (PEFT's names): a block's Linear layers -> the HF module each is, under BLOCK_PREFIX.
+# wq, wk, wv are one Conv1D c_attn, stacked along its outputs in this order; PEFT keeps Conv1D
+# adapters in nn.Linear's (out, in) orientation and transposes only the base (fan_in_fan_out).
+BLOCK_PREFIX = "transformer.h.{i}."
+LINEAR_MODULES = {"attention.wq": "attn.c_attn", "attention.wk": "attn.c_attn", "attention.wv": "attn.c_attn",
+                  "attention.wo": "attn.c_proj", "feed_forward.w1": "mlp.c_fc", "feed_forward.w2": "mlp.c_proj"}
+LORA_FAN_IN_FAN_OUT = True
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
                "gelu": "gelu", "relu": "relu", "silu": "silu", "swish": "silu"}
 

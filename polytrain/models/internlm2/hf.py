@@ -27,6 +27,9 @@ AUTO_MAP = {"AutoConfig": "configuration_internlm2.InternLM2Config",
             "AutoModelForCausalLM": "modeling_internlm2.InternLM2ForCausalLM"}
 _BLOCK = ("attention.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w3", "feed_forward.w2",
           "attention_norm", "ffn_norm")
+# LoRA adapters (PEFT's names): a block's Linear layers -> the HF module each is, under BLOCK_PREFIX.
+BLOCK_PREFIX = "model.layers.{i}."
+LINEAR_MODULES = {name: name for name in _BLOCK if "norm" not in name}
 
 
 def config_from_hf(hf: dict, names: set[str] = frozenset()) -> ModelConfig:

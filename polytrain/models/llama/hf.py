@@ -26,6 +26,9 @@ _BLOCK = (("attention.wq", "self_attn.q_proj"), ("attention.wk", "self_attn.k_pr
           ("feed_forward.w1", "mlp.gate_proj"), ("feed_forward.w3", "mlp.up_proj"),
           ("feed_forward.w2", "mlp.down_proj"), ("attention_norm", "input_layernorm"),
           ("ffn_norm", "post_attention_layernorm"))
+# LoRA adapters (PEFT's names): a block's Linear layers -> the HF module each is, under BLOCK_PREFIX.
+BLOCK_PREFIX = "model.layers.{i}."
+LINEAR_MODULES = {ours: theirs for ours, theirs in _BLOCK if "norm" not in ours}
 
 
 def rope_from_hf(hf: dict, family: str) -> dict:

@@ -1,0 +1,170 @@
+"""Output projection and cross-entropy in token chunks, on one rank or vocabulary-parallel.
+
+A model's last layer maps hidden states (N, D) to logits (N, V); the loss then needs
+softmax(logits). Done plainly, autograd keeps the (N, V) logits, their log-softmax and,
+in backward, their gradient: three N x V buffers, the largest activations of a small
+model (2,048 tokens x 32K vocabulary = 256 MiB each in fp32). Here each chunk of C
+tokens makes its (C, V) logits, turns them straight into the loss and the gradients of
+the hidden states, weight and bias, and drops them; backward only scales the stored
+gradients. Same FLOPs as the plain path (one forward and two gradient matmuls per
+chunk); the loss's peak memory is one (C, V) chunk, about the size of the (N, D) hidden
+states, instead of 3 x (N, V); on a CPU the chunks stay in cache.
+
+Vocabulary-parallel (tensor parallelism: rank r holds vocabulary rows [start, end) of the
+weight), each rank makes its chunk's (C, V/tp) logits and their log-sum-exp per token;
+one all-gather of those (tp, C) values gives every rank the whole vocabulary's
+log-sum-exp, so each rank's softmax rows, its gradient rows and its part of the hidden
+states' gradient follow without more communication. The target logits, each on exactly
+one rank, are summed by one scalar all-reduce at the end: every rank gets the same loss.
+The hidden states' gradient is this rank's partial sum (its vocabulary rows); the
+tensor-parallel region the head entered sums it over tp in backward.
+
+Heads that offer this (`ScoringHead`) return the loss instead of logits while
+`scoring(targets)` is active, or, `deferred` (a pipeline's last stage, whose schedule
+applies the loss itself), return their input and score it through `loss(hidden, targets)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from polytrain.distributed.collectives import all_gather, all_reduce
+
+IGNORE_INDEX = -100
+GRAD_SCALE = 1024.0
+"""Power of two the logits' gradient is scaled by for its low-precision matmuls (exact to undo)."""
+MIN_CHUNK_TOKENS = 256
+"""Fewest tokens per chunk: below this the matmuls get too thin to run at full speed."""
+
+
+def chunk_tokens(n_tokens: int, dim: int, vocab_size: int) -> int:
+    """Tokens per chunk: a chunk's (C, V) logits hold about as many numbers as the (N, D) hidden
+    states (the rule Liger-Kernel's fused loss uses), but at least MIN_CHUNK_TOKENS."""
+    return max(MIN_CHUNK_TOKENS, -(-n_tokens * dim // vocab_size))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """mean over scored tokens of CE(hidden @ weight.T + bias, targets), gradients made in forward."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                targets: torch.Tensor, chunk: int, make_grads: bool, vocab_start: int, group) -> torch.Tensor:
+        # hidden (N, D), weight (V_local, D) = vocabulary rows [vocab_start, vocab_start + V_local)
+        # (all of them without a group), bias (V_local,) or None, targets (N,) with IGNORE_INDEX holes.
+        # Matmuls follow the surrounding autocast (as F.linear and autograd's own backward
+        # matmuls would); the softmax and the loss are fp32.
+        # make_grads is False under no_grad (evaluation), where needs_input_grad still says True.
+        want_h, want_w, want_b = (make_grads and need for need in ctx.needs_input_grad[:3])
+        n_local = weight.shape[0]
+        scored = targets != IGNORE_INDEX
+        count = scored.sum().clamp(min=1).float()
+        local_targets = targets - vocab_start
+        mine = scored & (local_targets >= 0) & (local_targets < n_local)  # the target is one of my rows
+        safe_targets = torch.where(mine, local_targets, 0)
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_b else None
+        lse_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        target_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        # The matmul dtype (autocast's or the weight's); the weight is cast once, not per chunk.
+        device_type = hidden.device.type
+        low_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+        weight_low = weight.to(low_dtype)
+        bias_low = bias.to(low_dtype) if bias is not None else None
+        for start in range(0, hidden.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            h, t, keep, hit = hidden[rows].to(low_dtype), safe_targets[rows, None], scored[rows], mine[rows]
+            logits = F.linear(h, weight_low, bias_low).float()  # (C, V_local)
+            lse = torch.logsumexp(logits, dim=-1)  # (C,); -inf for an empty vocabulary shard
+            if group is not None:  # the whole vocabulary's, from every rank's (tp, C)
+                lse = torch.logsumexp(all_gather(lse, 0, group).view(-1, lse.shape[0]), dim=0)
+            lse_sum += (lse * keep).sum()
+            if n_local:
+                target_sum += (logits.gather(1, t).squeeze(1) * hit).sum()
+            if not (want_h or want_w or want_b):
+                continue
+            # d(summed loss) / d logits = softmax - one_hot(target), 0 on unscored rows, in
+            # [-1, 1]; times GRAD_SCALE so small probabilities stay normal numbers in fp16
+            # (a 32K vocabulary's are ~3e-5). 1 / (count x GRAD_SCALE) is applied in fp32 after.
+            grad = logits.sub_(lse[:, None]).exp_()
+            if n_local:
+                grad.scatter_add_(1, t, hit[:, None].to(grad.dtype).neg_())
+            grad.mul_(keep[:, None] * GRAD_SCALE)
+            if want_b:
+                grad_b += grad.sum(0)
+            grad = grad.to(low_dtype)  # the gradient matmuls run in the forward's dtype
+            if want_h:
+                grad_h[rows] = (grad @ weight_low).float().div_(count * GRAD_SCALE)
+            if want_w:
+                grad_w += (grad.t() @ h).float()
+        for summed in (grad_w, grad_b):
+            if summed is not None:
+                summed.div_(count * GRAD_SCALE)
+        if group is not None:  # each target's logit is on one rank
+            target_sum = all_reduce(target_sum, group)
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.param_dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        return (lse_sum - target_sum) / count
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        w_dtype, b_dtype = ctx.param_dtypes
+        return (grad_h * grad_loss.to(grad_h.dtype) if grad_h is not None else None,
+                (grad_w * grad_loss).to(w_dtype) if grad_w is not None else None,
+                (grad_b * grad_loss).to(b_dtype) if grad_b is not None else None,
+                None, None, None, None, None)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         targets: torch.Tensor, chunk: int | None = None, *, vocab_start: int = 0,
+                         group=None) -> torch.Tensor:
+    """Mean cross-entropy of `hidden @ weight.T + bias` against `targets`, chunk tokens at a time.
+
+    hidden (..., D), targets (...) with -100 = not scored; equals
+    F.cross_entropy(F.linear(hidden, weight, bias).float(), targets) and its gradients.
+    With a tensor-parallel `group`, `weight` and `bias` are this rank's vocabulary rows from
+    `vocab_start`, the hidden states' gradient is this rank's part, and every rank must pass
+    the same `chunk` (one all-gather per chunk).
+    """
+    hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, D)
+    if chunk is None:
+        chunk = chunk_tokens(hidden.shape[0], hidden.shape[1], weight.shape[0])
+    return _LinearCrossEntropy.apply(hidden, weight, bias, targets.reshape(-1), chunk,
+                                     torch.is_grad_enabled(), vocab_start, group)
+
+
+class ScoringHead:
+    """Mixin for output projections that can turn hidden states into the loss themselves.
+
+    `scoring(targets)`: while active, forward returns the mean loss instead of logits.
+    `deferred`: forward returns its input (the schedule scores it with `loss`).
+    A subclass implements `loss(hidden, targets)` and calls `scored_forward` first in forward.
+    """
+
+    targets: torch.Tensor | None = None
+    deferred: bool = False
+
+    @contextmanager
+    def scoring(self, targets: torch.Tensor) -> Iterator[None]:
+        """targets (B, T), -100 = not scored."""
+        self.targets = targets
+        try:
+            yield
+        finally:
+            self.targets = None
+
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def scored_forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """What forward returns when scoring or deferred; None = compute logits as usual."""
+        if self.deferred:
+            return hidden
+        if self.targets is not None:
+            return self.loss(hidden, self.targets)
+        return None
