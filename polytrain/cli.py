@@ -8,6 +8,7 @@
     polytrain convert HF_DIR OUT_DIR | polytrain convert --to hf RUN_OR_CHECKPOINT OUT_DIR [--dtype ...]
     polytrain convert --to peft RUN_OR_CHECKPOINT OUT_DIR | polytrain convert ADAPTER_DIR OUT_DIR --base RUN
     polytrain run [--nproc N] SCRIPT [ARGS...]    (or -m MODULE [ARGS...]): a CUDA program, unchanged
+    polytrain plan --devices N [--device H100|cpu|...] [--nodes K] [--config FILE] [--json] [--section.key VALUE ...]
 
 Errors a user can fix print one line starting with "error:" and exit with status 2.
 """
@@ -85,6 +86,12 @@ def _train(argv: list[str]) -> int:
         print(help_text())
         return 0
     cfg = config_from_argv(argv)
+    if cfg.parallel.nproc_min and "WORLD_SIZE" not in os.environ:
+        from polytrain.train.elastic_launch import ElasticLauncher
+
+        p = cfg.parallel
+        _plan_elastic(cfg, p.nproc_min, p.nproc, nodes=1)  # a layout for every size the job may run at
+        return ElasticLauncher(p.nproc_min, p.nproc, argv, cfg.run_dir, p.max_restarts, p.nproc_start).run()
     if cfg.parallel.nproc > 1 and "WORLD_SIZE" not in os.environ:
         from polytrain.train.launch import launch_local_workers
         from polytrain.train.startup import plan_layout
@@ -92,6 +99,21 @@ def _train(argv: list[str]) -> int:
         plan_layout(cfg, cfg.parallel.nproc)  # fail here, before starting workers
         return launch_local_workers(cfg.parallel.nproc, argv)
     return run_worker(argv, cfg)
+
+
+def _plan_elastic(cfg, low: int, high: int, nodes: int, cluster=None) -> dict:
+    """Plan a layout keeping the global batch for every world size in [low, high] and write them to the
+    run directory, where the workers read theirs (train/elastic.py); ConfigError if a size has none."""
+    from polytrain.plan.elastic import elastic_layouts, write_layouts
+
+    if cluster is None:
+        from polytrain.backend import get_accelerator
+        from polytrain.plan.devices import Cluster, device_for_accelerator
+
+        cluster = Cluster(device_for_accelerator(get_accelerator()), high * nodes, nodes)
+    layouts = elastic_layouts(cfg, low, high, cluster)
+    write_layouts(cfg, layouts)
+    return layouts
 
 
 def _generate(argv: list[str]) -> int:
@@ -250,7 +272,60 @@ def _convert(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "generate": _generate, "prepare": _prepare, "consolidate": _consolidate,
+def _plan(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="polytrain plan",
+        description="Rank the parallel layouts of a cluster for a config: peak memory per rank and step "
+                    "time of each, best first. Layout keys the config sets (e.g. --parallel.tp 2) stay fixed.",
+        epilog="Any --section.key VALUE after the options overrides the config, as for polytrain train.")
+    parser.add_argument("--config", help="a TOML config (default: the built-in defaults)")
+    parser.add_argument("--devices", type=int, required=True, help="number of devices (the world size)")
+    parser.add_argument("--device", default="cpu", help="H100, H200, A100, A100-40GB, MI300X, or cpu "
+                                                        "(this machine, measured); default cpu")
+    parser.add_argument("--device-memory", help="memory per device, e.g. 80GB (binary units)")
+    parser.add_argument("--device-flops", help="peak matmul FLOP/s per device, e.g. 989T")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes the devices are spread over")
+    parser.add_argument("--link", help="bandwidth per device: 'nvlink', '450GB/s' (in a node) or "
+                                       "'intra=450GB/s,inter=400Gb/s'")
+    parser.add_argument("--headroom", type=float, default=0.05, help="share of memory kept free (default 0.05)")
+    parser.add_argument("--top", type=int, default=10, help="layouts to show (0 = all that fit)")
+    parser.add_argument("--allow-cp", action="store_true",
+                        help="also propose context parallelism when this config has no parallel.cp")
+    parser.add_argument("--json", action="store_true", help="print a JSON list, best first")
+    parser.add_argument("--elastic", metavar="MIN:MAX",
+                        help="plan a layout for every world size MIN..MAX (the config's global batch kept) and "
+                             "write them to <run dir>/elastic_layouts.json for a torchrun --nnodes MIN:MAX job")
+    args, overrides = parser.parse_known_args(argv)
+
+    from polytrain.config import load_config
+    from polytrain.plan import Cluster, device_spec, model_shape, plan, with_overrides
+    from polytrain.plan.report import format_json, format_table
+
+    cfg = load_config(args.config, overrides)
+    cluster = with_overrides(Cluster(device_spec(args.device), args.devices, args.nodes),
+                             memory=args.device_memory, link=args.link, flops=args.device_flops)
+    if args.elastic:
+        low, _, high = args.elastic.partition(":")
+        if not (low.isdigit() and high.isdigit()):
+            raise PolytrainError(f"--elastic {args.elastic!r}: write MIN:MAX world sizes, e.g. 8:64")
+        layouts = _plan_elastic(cfg, int(low), int(high), args.nodes, cluster)
+        for world, keys in layouts.items():
+            print(f"{world:>5} ranks: " + " ".join(f"--{k} {str(v).lower() if isinstance(v, bool) else v}"
+                                                   for k, v in keys.items()))
+        print(f"wrote {cfg.run_dir / 'elastic_layouts.json'}")
+        return 0
+    estimates = plan(cfg, cluster, headroom=args.headroom, allow_cp=args.allow_cp)
+    if not estimates:
+        raise PolytrainError(f"no layout of {args.devices} devices passes start-up's checks for this config "
+                             f"(the layout keys it fixes, the global batch, the model's head counts)")
+    if args.json:
+        print(format_json(estimates, args.top))
+    else:
+        print(format_table(cfg, cluster, estimates, args.top, model_shape(cfg).num_params, args.config))
+    return 0
+
+
+COMMANDS = {"train": _train, "plan": _plan, "generate": _generate, "prepare": _prepare, "consolidate": _consolidate,
             "convert": _convert, "chat": _chat, "run": _run}
 
 

@@ -71,6 +71,9 @@ def _sources_text(key: str, tables: list) -> str:
 
 def set_value(cfg: Config, key: str, value: Any, from_text: bool) -> None:
     """Set `section.key` on `cfg` from a TOML value or (`from_text`) a command-line string."""
+    if key == "parallel.nproc" and isinstance(value, str) and ":" in value:
+        _set_elastic_range(cfg, value)
+        return
     section, _, name = key.partition(".")
     if section not in SECTIONS or not name:
         raise _unknown(key)
@@ -87,6 +90,14 @@ def set_value(cfg: Config, key: str, value: Any, from_text: bool) -> None:
     if choices and value not in choices:
         raise ConfigError(f"{key} = {value!r} is not one of {', '.join(map(repr, choices))}")
     setattr(section_obj, name, value)
+
+
+def _set_elastic_range(cfg: Config, value: str) -> None:
+    """parallel.nproc = "MIN:MAX": an elastic job of MAX local workers that goes on with MIN."""
+    low, _, high = value.partition(":")
+    if not (low.isdigit() and high.isdigit()) or not 1 <= int(low) <= int(high):
+        raise ConfigError(f"parallel.nproc = {value!r}: write MIN:MAX with 1 <= MIN <= MAX, e.g. 2:4")
+    cfg.parallel.nproc, cfg.parallel.nproc_min, cfg.parallel.elastic = int(high), int(low), True
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
@@ -203,8 +214,12 @@ def validate(cfg: Config) -> None:
     if cfg.parallel.reduce_bucket_mb <= 0:
         raise ConfigError(f"parallel.reduce_bucket_mb = {cfg.parallel.reduce_bucket_mb} must be positive")
     _validate_offload(cfg)
-    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 0:
-        raise ConfigError("checkpoint.every and checkpoint.keep must be >= 0")
+    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 0 or cfg.checkpoint.snapshot_every < 0:
+        raise ConfigError("checkpoint.every, checkpoint.keep and checkpoint.snapshot_every must be >= 0")
+    p = cfg.parallel
+    if p.nproc_min > p.nproc or p.max_restarts < 0 or (p.nproc_start and not p.nproc_min <= p.nproc_start <= p.nproc):
+        raise ConfigError(f"parallel.nproc_min = {p.nproc_min} <= parallel.nproc_start = {p.nproc_start} <= "
+                          f"parallel.nproc = {p.nproc} must hold (nproc_start 0 = nproc), and parallel.max_restarts >= 0")
     if t.compile and cfg.parallel.tp > 1 and t.activation_checkpoint == "selective":
         # torch 2.13's partitioner files the tp mesh among the tensors saved around the
         # recomputed attention core and fails at the first backward.

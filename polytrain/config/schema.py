@@ -39,6 +39,8 @@ class RunConfig:
     """Tokens generated from a prompt at the end of training (0 = no sample)."""
     tensorboard: bool = False
     """Also write TensorBoard event files to <run dir>/tensorboard."""
+    hang_timeout_s: float = 0.0
+    """Seconds a step may take before every rank dumps stacks and collectives to <run dir>/hang/ and the attempt ends; 0 = 10x the slowest step (>= 60 s; 900 s for the first); < 0 = off."""
 
 
 @dataclass
@@ -121,6 +123,12 @@ class TrainConfig:
     """Sequences per forward/backward on one rank."""
     global_batch_size: int = 16
     """Sequences per optimizer step over all ranks; a multiple of micro_batch_size x dp."""
+    batch_rampup_start: int = 0
+    """Batch-size ramp-up (Megatron's --rampup-batch-size): the first global batch; 0 = no ramp-up."""
+    batch_rampup_increment: int = 0
+    """Ramp-up: sequences the global batch grows by at each increment, up to global_batch_size."""
+    batch_rampup_samples: int = 0
+    """Ramp-up: samples over which the global batch grows from batch_rampup_start to global_batch_size."""
     lr: float = 3e-3
     """Peak learning rate, reached after warmup_steps."""
     min_lr: float = 3e-4
@@ -180,7 +188,15 @@ class TrainConfig:
 @dataclass
 class ParallelConfig:
     nproc: int = 1
-    """Local worker processes to start (through torch's elastic launcher); 1 = this process."""
+    """Local worker processes to start (through torch's elastic launcher); 1 = this process; MIN:MAX = elastic."""
+    nproc_min: int = 0
+    """Elastic: fewest workers the job goes on with (set by --parallel.nproc MIN:MAX); 0 = not elastic."""
+    nproc_start: int = 0
+    """Elastic: workers to start with (0 = parallel.nproc); SIGUSR1 to the launcher grows the job to parallel.nproc."""
+    elastic: bool = False
+    """Fit the layout to whatever world an elastic agent starts, keeping the global batch (--parallel.nproc MIN:MAX sets it)."""
+    max_restarts: int = 3
+    """Elastic: restarts the local launcher may make (a worker lost or added, a hang)."""
     dp: int = -1
     """Data-parallel degree; -1 = whatever the world size leaves."""
     zero: int = field(default=0, metadata={"choices": (0, 1, 2, 3)})
@@ -280,7 +296,9 @@ class CheckpointConfig:
     keep: int = 2
     """Newest complete checkpoints to keep (0 = keep all)."""
     resume: str = "auto"
-    """'auto' = newest complete checkpoint of this run, 'none' = start fresh, or a checkpoint path."""
+    """'auto' = newest complete checkpoint (or snapshot) of this run, 'none' = start fresh, or a checkpoint path."""
+    snapshot_every: int = 0
+    """Steps between host-memory (/dev/shm) snapshots a restart resumes from when newer than the newest checkpoint; 0 = none."""
 
 
 @dataclass

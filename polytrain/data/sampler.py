@@ -6,7 +6,10 @@ Optimizer step k consumes stream positions [k*G, (k+1)*G) for G = global_batch_s
 rank r of dp_size takes the contiguous slice [r*G/dp, (r+1)*G/dp) of them.
 
 The state is one counter of consumed positions, so a checkpoint written with 2 ranks
-resumes with 1 (or 4) ranks on exactly the samples that come next.
+resumes with 1 (or 4) ranks on exactly the samples that come next, and at any global
+batch: a step of G' samples after a resume takes positions [consumed, consumed + G'). The
+global batch may change from step to step (a ramp-up, data/batch_schedule.py):
+`next_batch(G)` takes the step's size.
 """
 
 from __future__ import annotations
@@ -67,11 +70,15 @@ class GlobalBatchSampler:
             start, count = start + n, count - n
         return out
 
-    def next_batch(self) -> list[int]:
-        """This rank's global_batch_size / dp_size dataset indices for the next step."""
-        per_rank = self.global_batch_size // self.dp_size
+    def next_batch(self, global_batch_size: int | None = None) -> list[int]:
+        """This rank's global batch / dp_size dataset indices for the next step (of `global_batch_size`
+        sequences, default the sampler's own)."""
+        size = global_batch_size or self.global_batch_size
+        if size % self.dp_size:
+            raise ValueError(f"global batch {size} does not split over dp_size = {self.dp_size}")
+        per_rank = size // self.dp_size
         batch = self._take(self.consumed + self.dp_rank * per_rank, per_rank)
-        self.consumed += self.global_batch_size
+        self.consumed += size
         return batch
 
     def state_dict(self) -> dict[str, int]:
@@ -80,17 +87,13 @@ class GlobalBatchSampler:
                 "num_samples": self.num_samples, "global_batch_size": self.global_batch_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue at the sample after the last one `state` consumed (its seed wins)."""
+        """Continue at the sample after the last one `state` consumed (its seed wins), whatever the
+        global batch then and now."""
         if state["num_samples"] != self.num_samples:
             raise ConfigError(
                 f"the checkpoint's data order covers {state['num_samples']} samples but the data "
                 f"now has {self.num_samples}; data.source, data.seq_len or the tokenizer changed. "
                 "Resume with the same data, or start fresh with --checkpoint.resume none"
-            )
-        if state["global_batch_size"] != self.global_batch_size:
-            raise ConfigError(
-                f"the checkpoint was trained with train.global_batch_size = "
-                f"{state['global_batch_size']}, not {self.global_batch_size}; keep it when resuming"
             )
         self.seed, self.consumed = state["seed"], state["consumed"]
         self._perm_epoch = -1

@@ -6,7 +6,8 @@
 Every key of the file ends in exactly one of four places:
 
 - mapped onto a polytrain setting (batch sizes, optimizer, scheduler, fp16/bf16, ZeRO
-  stage and offload, gradient_clipping, steps_per_print, seed, tensorboard.enabled);
+  stage and offload, gradient_clipping, steps_per_print, seed, tensorboard.enabled, the
+  `elasticity` block: elasticity.py);
 - accepted quietly because its value asks for nothing polytrain does not already do
   (`"wall_clock_breakdown": false`, any block with `"enabled": false`);
 - a ConfigError, when a key polytrain reads has a value it cannot honour
@@ -31,6 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from polytrain.deepspeed.elasticity import ElasticBatch, elastic_batch
 from polytrain.errors import ConfigError
 from polytrain.optim.warmup_schedules import Schedule, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
@@ -120,6 +122,9 @@ class DSConfig:
     tensorboard: bool
     unsupported: tuple[str, ...]
     """Dotted paths of the keys polytrain ignores, sorted."""
+    elastic_micro_batch: int | None = None
+    """With an enabled `elasticity` block: its largest micro-batch, the ceiling polytrain re-derives
+    each world size's micro-batch under (polytrain/plan/elastic.py); None = not elastic."""
 
 
 def _show(value: Any) -> str:
@@ -316,6 +321,32 @@ def _batch(r: _Reader, world: int) -> tuple[int, int, int]:
     return tb, mb, tb // unit
 
 
+def _elasticity(r: _Reader, world: int) -> ElasticBatch | None:
+    """The `elasticity` block by DeepSpeed's version-0.1 rule (polytrain/deepspeed/elasticity.py), or None."""
+    if not r.flag("elasticity.enabled", False):
+        return None
+    version = r.number("elasticity.version", 0.1)
+    if version != 0.1:
+        raise ConfigError(f"elasticity.version = {_show(version)}: polytrain implements version 0.1 "
+                          f"(a global batch from the micro-batch sizes); set it to 0.1")
+    micro = r.get("elasticity.micro_batch_sizes", [2, 4, 6])
+    if not isinstance(micro, list) or not all(isinstance(m, int) and not isinstance(m, bool) for m in micro):
+        raise ConfigError(f"elasticity.micro_batch_sizes = {_show(micro)} must be a list of integers")
+    r.get("elasticity.min_time", 0)  # a hint for schedulers: nothing to run
+    batch = elastic_batch(micro, r.integer("elasticity.max_train_batch_size", 2000, lo=1),
+                          r.integer("elasticity.min_gpus", 1, lo=1), r.integer("elasticity.max_gpus", None, lo=1),
+                          r.flag("elasticity.prefer_larger_batch", True))
+    given = [k for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+             if r.has(k)]
+    if given and not r.flag("elasticity.ignore_non_elastic_batch_info", False):
+        raise ConfigError(f"{', '.join(given)} conflict with the enabled elasticity block, which chooses the batch "
+                          f"({batch.global_batch_size}); remove them or set "
+                          f"elasticity.ignore_non_elastic_batch_info = true")
+    for key in given:
+        r.get(key, None)  # ignored, as DeepSpeed ignores them then
+    return batch
+
+
 def _precision(r: _Reader) -> tuple[str, LossScaling | None]:
     fp16 = r.flag("fp16.enabled", False)
     bf16_key = "bf16" if "bf16" in r.data else "bfloat16"  # DeepSpeed still reads the old name
@@ -477,7 +508,12 @@ def load_ds_config(source: dict[str, Any] | str | Path, *, world_size: int) -> D
     data = _read_json(source)
     _reject_auto(data)
     r = _Reader(data)
-    train_batch, micro, gas = _batch(r, world_size)
+    elastic = _elasticity(r, world_size)
+    if elastic is None:
+        train_batch, micro, gas = _batch(r, world_size)
+    else:  # DeepSpeed's elastic batch; the plain batch keys stay unread unless told to ignore them
+        train_batch, micro = elastic.global_batch_size, elastic.micro_batch_at(world_size)
+        gas = train_batch // (micro * world_size)
     precision, fp16 = _precision(r)
     optimizer = _optimizer(r)
     scheduler = _scheduler(r, optimizer)
@@ -501,6 +537,7 @@ def load_ds_config(source: dict[str, Any] | str | Path, *, world_size: int) -> D
         seed=r.integer("seed", None),
         tensorboard=r.flag("tensorboard.enabled", False),
         unsupported=tuple(r.unread()),
+        elastic_micro_batch=max(elastic.micro_batch_sizes) if elastic else None,
     )
     if ds.unsupported:
         warnings.warn(
@@ -558,4 +595,6 @@ def to_overrides(ds: DSConfig) -> list[str]:
         out["run.seed"] = ds.seed
     if ds.tensorboard:
         out["run.tensorboard"] = True
+    if ds.elastic_micro_batch:
+        out |= {"parallel.elastic": True, "train.micro_batch_size": ds.elastic_micro_batch}
     return [token for key, value in out.items() for token in (f"--{key}", _text(value))]

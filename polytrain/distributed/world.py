@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from polytrain.backend.base import Accelerator
+from polytrain.distributed.watchdog import enable_collective_log
 from polytrain.errors import PolytrainError
 
 T = TypeVar("T")
@@ -42,6 +43,7 @@ def init_world(acc: Accelerator) -> World:
         return World(dist.get_rank(), dist.get_world_size(), local_rank)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1:
+        enable_collective_log()  # before the groups exist: the hang watchdog reads it
         acc.set_device(local_rank)
         dist.init_process_group(backend=acc.dist_backend, timeout=timedelta(minutes=30))
         atexit.register(_destroy_at_exit)

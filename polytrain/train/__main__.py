@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from polytrain.config import Config, load_config
 from polytrain.errors import PolytrainError
+from polytrain.train.elastic import elastic_config
+from polytrain.train.elastic_launch import ELASTIC_ENV
 from polytrain.train.launch import EXIT_USER_ERROR, LAUNCHED_ENV
 from polytrain.train.worker_exit import run_and_exit
 
@@ -69,7 +71,10 @@ def run_worker(argv: list[str], cfg: Config | None = None) -> int:
     # Rank 0 tells what it is doing (e.g. tokenizing the corpus once); the others stay quiet.
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     try:
-        trainer = Trainer(cfg or config_from_argv(argv))
+        cfg = cfg or config_from_argv(argv)
+        if cfg.parallel.elastic or os.environ.get(ELASTIC_ENV) == "1":
+            cfg = elastic_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        trainer = Trainer(cfg)
         summary = trainer.train()
     except PolytrainError as e:
         if rank == 0:

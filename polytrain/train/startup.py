@@ -19,6 +19,7 @@ import torch
 
 from polytrain.backend import get_accelerator
 from polytrain.config import Config, TrainConfig
+from polytrain.data.batch_schedule import check_batch_schedule
 from polytrain.data.objectives import span_counts
 from polytrain.distributed.strategies import zero3_offload
 from polytrain.distributed.offload import check_nvme_path
@@ -116,6 +117,7 @@ def plan_layout(cfg: Config, world_size: int) -> Layout:
                           f"'{cfg.model.arch}' is an {arch.kind} model: set parallel.pp = 1 and use "
                           f"parallel.tp / parallel.dp")
     pipeline = plan_from_config(cfg, dims.dp, arch.embedding_units, arch.head_units)
+    check_batch_schedule(cfg, dims.dp, pipeline)  # every ramp-up size splits on this layout too
     if cfg.lora.rank:
         check_lora(cfg, dims)
     return Layout(dims, batch, pipeline)

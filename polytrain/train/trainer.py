@@ -12,7 +12,9 @@ writes a metrics row and redraws the progress bar.
 from __future__ import annotations
 
 import math
+import os
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -28,8 +30,10 @@ from polytrain.checkpoint import (
 )
 from polytrain.config import Config, to_toml
 from polytrain.data import GlobalBatchSampler, TokenDataset, val_batches
+from polytrain.data.batch_schedule import BatchSchedule
 from polytrain.data.blended import training_windows
 from polytrain.data.objectives import build_objective, reserved_ids
+from polytrain.distributed.watchdog import Watchdog, hang_directory
 from polytrain.distributed.world import max_over_world, mean_over_world, together
 from polytrain.errors import ConfigError, TrainingDiverged
 from polytrain.inference.generate import generate
@@ -38,9 +42,12 @@ from polytrain.models.registry import shape_config
 from polytrain.optim.builder import restart_state
 from polytrain.optim.schedule import scheduled_lr, set_lr
 from polytrain.train.build import AUTOCAST, build_model
+from polytrain.train.elastic_launch import ELASTIC_ENV, record_event
+from polytrain.train.faults import inject_faults
 from polytrain.train.metrics import MetricsLogger, plot_loss
 from polytrain.train.precision import LossScaler, check_fp16_autocast
 from polytrain.train.progress import ProgressBar
+from polytrain.train.snapshot import newest_resume_point, snapshot_dir, snapshots_possible
 from polytrain.train.startup import start
 
 SAMPLE_PROMPT = "def "
@@ -76,7 +83,6 @@ class Trainer:
         self.base = f"init:{cfg.run.seed}" if lo.rank and lo.only_optimize else None
         # The optimizer whose param_groups carry the learning rate (ZeRO: the one over master shards).
         self.optimizer = self.dp.build_optimizer(self.model, cfg.train)
-        seq_len = cfg.data.seq_len
         self.train_data, self.val_data = self.corpus.train, self.corpus.val  # one corpus, or a blend
         rt = self.runtime
         self.sampler = GlobalBatchSampler(len(self.train_data), self.batch.global_batch_size, cfg.run.seed,
@@ -85,13 +91,18 @@ class Trainer:
         # validation losses of different layouts compare directly.
         self.val_indices = val_batches(self.val_data, self.batch.micro_batch_size,
                                        cfg.run.eval_batches * self.batch.accum_steps, rt.dp_rank, rt.dp_size)
-        self.tokens_per_step = self.batch.global_batch_size * seq_len
+        # The global batch of each step, by samples consumed (constant unless it ramps up).
+        self.batch_schedule = BatchSchedule.from_config(cfg.train)
         self.scaler = self._loss_scaler()
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self._rng_state, self._set_rng_state)
         self.step = 0  # batches trained, skipped fp16 steps included (DeepSpeed's global_steps)
         self.optimizer_steps = 0  # updates applied: the lr schedule's position (skips hold it, as in DeepSpeed)
+        self.snapshots: Checkpointer | None = None  # made at the first snapshot, once the run directory exists
         if self.resume_from is not None:
             self.step = self._load(self.resume_from)
+        # Ranks that wait for each other can hang; one process cannot (nor restart to any avail).
+        self.watchdog = Watchdog(hang_directory(self.run_dir), cfg.run.hang_timeout_s if
+                                 self.world.world_size > 1 else -1.0)
         self.metrics = MetricsLogger(self.run_dir, self.world.is_main, cfg.run.tensorboard,
                                      resume_step=self.step if self.resume_from else None)
 
@@ -102,7 +113,7 @@ class Trainer:
         if resume == "none":
             return None
         if resume == "auto":
-            return latest_checkpoint(self.run_dir)
+            return newest_resume_point(self.run_dir)
         check_checkpoint(Path(resume))
         return Path(resume)
 
@@ -168,6 +179,10 @@ class Trainer:
             return 0
         self.sampler.load_state_dict(state.sampler)
         self.optimizer_steps = state.applied_steps()
+        saved_batch = state.sampler["global_batch_size"]
+        if saved_batch != self.sampler.global_batch_size and self.world.is_main:
+            print(f"the checkpoint's global batch was {saved_batch}, now {self.sampler.global_batch_size}: "
+                  f"the data continues at sample {self.sampler.consumed}", flush=True)
         if self.scaler is not None and state.loss_scaler is not None:
             self.scaler.load_state_dict(state.loss_scaler)
         if self.world.is_main:
@@ -185,6 +200,14 @@ class Trainer:
 
     def save(self) -> Path:
         return self.checkpointer.save(self.dp, self._trainer_state())
+
+    def snapshot(self) -> Path | None:
+        """A checkpoint into host memory (train/snapshot.py); None where ranks span machines."""
+        if not snapshots_possible():
+            return None
+        if self.snapshots is None:
+            self.snapshots = Checkpointer(snapshot_dir(self.run_dir), 1, self._rng_state, self._set_rng_state)
+        return self.snapshots.save(self.dp, self._trainer_state())
 
     # ----- one step -----------------------------------------------------------------
 
@@ -216,9 +239,11 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the global batch; returns the step's loss, grad norm and lr."""
         self.model.train()
-        local = self.sampler.next_batch()  # this rank's global_batch / dp sample indices
+        inject_faults(self.world.rank, self.step + 1)  # tests only: hang or die as asked
+        size = self.batch_schedule.at(self.sampler.consumed)
+        local = self.sampler.next_batch(size)  # this rank's size / dp sample indices
         loss_value = self._forward_backward(self.batch.micro_batches(local))
-        stats = {"loss": loss_value}
+        stats = {"loss": loss_value, "global_batch": size}
         if self.scaler is not None:
             stats["loss_scale"] = self.scaler.scale
             # An fp16 overflow on any rank skips the step everywhere and lowers the scale.
@@ -280,37 +305,47 @@ class Trainer:
             print(self.describe(), flush=True)
         bar = ProgressBar(cfg.run.steps, self.step, enabled=main)
         start = last_log_time = last_plot = time.perf_counter()
-        last_log_step = first_step = self.step
+        last_log_tokens = self.sampler.consumed * cfg.data.seq_len
         first_val = last_val = None
         saved_step = self.step if self.resume_from else None
+        first_step, elastic = self.step, cfg.parallel.elastic or os.environ.get(ELASTIC_ENV) == "1"
         if self.step == 0:
             first_val = last_val = self.evaluate()
             self.metrics.log({"step": 0, "val_loss": last_val, "time": 0.0})
         try:
             while self.step < cfg.run.steps:
-                stats = self.train_step()
+                with self.watchdog.watch("step", self.step + 1):
+                    stats = self.train_step()
                 step = self.step
                 if self.compile_timer is not None and step == first_step + 1 and main:
                     bar.write(self.compile_timer.describe())  # the first step compiled the blocks
                 if step % cfg.run.log_every == 0 or step == cfg.run.steps:
                     self.acc.synchronize()
                     now = time.perf_counter()
-                    tokens_per_s = (step - last_log_step) * self.tokens_per_step / (now - last_log_time)
-                    last_log_time, last_log_step = now, step
+                    tokens = self.sampler.consumed * cfg.data.seq_len
+                    tokens_per_s = (tokens - last_log_tokens) / (now - last_log_time)
+                    last_log_time, last_log_tokens = now, tokens
                     mem = self.acc.memory_stats()
-                    row = {"step": step, **stats, "tokens": step * self.tokens_per_step,
+                    row = {"step": step, **stats, "tokens": tokens,
                            "tokens_per_s": tokens_per_s, "mfu": self._mfu(tokens_per_s),
                            "mem_gb": mem["allocated_gb"], "peak_mem_gb": mem["peak_gb"],
                            "time": now - start}
                     self.metrics.log(row)
                     bar.update(step, stats["loss"], tokens_per_s, row["mfu"], mem["allocated_gb"])
                 if cfg.run.eval_every and step % cfg.run.eval_every == 0 and step != cfg.run.steps:
-                    last_val = self.evaluate()
+                    with self.watchdog.watch("evaluation", step):
+                        last_val = self.evaluate()
                     self.metrics.log({"step": step, "val_loss": last_val, "time": time.perf_counter() - start})
                     bar.write(f"step {step}: val loss {last_val:.4f}")
                 if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-                    self.save()
+                    with self.watchdog.watch("checkpoint", step):
+                        self.save()
                     saved_step = step
+                elif cfg.checkpoint.snapshot_every and step % cfg.checkpoint.snapshot_every == 0:
+                    with self.watchdog.watch("checkpoint", step):
+                        self.snapshot()
+                if elastic and main and step == first_step + 1:  # training again after a (re)start
+                    record_event(self.run_dir, "training", step=step, world=self.world.world_size)
                 if main and time.perf_counter() - last_plot > PLOT_INTERVAL_S:
                     plot_loss(self.run_dir)
                     last_plot = time.perf_counter()
@@ -319,6 +354,8 @@ class Trainer:
         last_val = self.evaluate()
         self.metrics.log({"step": self.step, "val_loss": last_val, "time": time.perf_counter() - start})
         checkpoint = self.save() if saved_step != self.step else latest_checkpoint(self.run_dir)
+        if cfg.checkpoint.snapshot_every and main:  # the run is complete on disk: its RAM snapshots go
+            shutil.rmtree(snapshot_dir(self.run_dir), ignore_errors=True)
         # Generation runs on one process under pipelines and tp grids (whose ranks each
         # hold other sequences); the checkpoint loads there. Masked-LM and span objectives
         # have no text sample.
@@ -338,6 +375,7 @@ class Trainer:
     def close(self) -> None:
         """Release what outlives the loop: offload files, gradient hooks, open metrics files."""
         self.dp.close()
+        self.watchdog.close()
         self.metrics.close()
 
     def describe(self) -> str:
@@ -358,7 +396,9 @@ class Trainer:
         return (f"model {m.arch} {m.size}: {self.num_params / 1e6:.1f}M parameters{adapters} | {layout} | "
                 f"{self.acc.describe()}\n"
                 f"global batch {t.global_batch_size} x {self.cfg.data.seq_len} tokens "
-                f"({t.micro_batch_size} per micro-batch, {self.batch.accum_steps} accumulation steps) | "
+                f"({t.micro_batch_size} per micro-batch, {self.batch.accum_steps} accumulation steps"
+                + (f"; ramped up from {t.batch_rampup_start} by {t.batch_rampup_increment} over "
+                   f"{t.batch_rampup_samples} samples" if self.batch_schedule.ramps else "") + ") | "
                 f"{self.cfg.run.steps} steps | {self.cfg.train.precision} | run dir {self.run_dir}")
 
     def _mfu(self, tokens_per_s: float) -> float | None:

@@ -103,8 +103,30 @@ def test_state_mismatch_errors():
     s = GlobalBatchSampler(10, 4, 0)
     with pytest.raises(ConfigError, match="covers 12 samples but the data now has 10"):
         s.load_state_dict({"consumed": 8, "seed": 0, "num_samples": 12, "global_batch_size": 4})
-    with pytest.raises(ConfigError, match="train.global_batch_size = 8, not 4"):
-        s.load_state_dict({"consumed": 8, "seed": 0, "num_samples": 10, "global_batch_size": 8})
+
+
+def test_resume_at_another_global_batch_continues_by_consumed_samples():
+    """6 steps of 4, then resumed at 10 per step on 2 ranks: the union of what the ranks read is
+    the global stream's next positions, as one rank with no batch at all would read them."""
+    n = 13
+    first = GlobalBatchSampler(n, 4, 3)
+    seen = stream(first, 6)
+    state = first.state_dict()
+    assert state["consumed"] == 24
+    ranks = [GlobalBatchSampler(n, 10, 0, r, 2) for r in range(2)]
+    for r in ranks:
+        r.load_state_dict(state)
+    after = [i for _ in range(3) for r in ranks for i in r.next_batch()]
+    whole = GlobalBatchSampler(n, 1, 3)
+    assert seen + after == stream(whole, 24 + 30)
+
+
+def test_step_sizes_may_change_every_step():
+    sampler, whole = GlobalBatchSampler(9, 8, 1), GlobalBatchSampler(9, 1, 1)
+    got = [i for size in (2, 4, 6, 8, 8) for i in sampler.next_batch(size)]
+    assert got == stream(whole, 28) and sampler.consumed == 28
+    with pytest.raises(ValueError, match="global batch 3 does not split over dp_size = 2"):
+        GlobalBatchSampler(9, 8, 1, 0, 2).next_batch(3)
 
 
 def test_bad_arguments():
