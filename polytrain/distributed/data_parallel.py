@@ -36,7 +36,6 @@ the same rules) behind `PipelineDataParallel` (pipeline/chunks.py).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Collection, Protocol
 
 import torch

@@ -73,7 +73,7 @@ def analyse(dumps: list[dict], world_size: int) -> Finding:
         members = tuple(groups_ranks.get(name, sorted(per_rank)))
         last = {r: _last_seq(by_rank[r], name, per_rank[r]) for r in per_rank}
         if len(set(last.values())) > 1:
-            low, high = min(last.values()), max(last.values())
+            low = min(last.values())
             behind = tuple(sorted(r for r, s in last.items() if s == low))
             ahead = tuple(sorted(r for r, s in last.items() if s > low))
             missed = next((e for r in ahead for e in per_rank[r] if e["seq"] == low + 1), None)
