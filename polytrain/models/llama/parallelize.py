@@ -69,7 +69,7 @@ def _rope_for_whole_sequence(model: nn.Module, ctx: TPContext) -> None:
     """
     inner = model._attention_inputs
 
-    def attention_inputs(seqlen, cache, start_pos, device):
-        return inner(seqlen * ctx.size if ctx.sp_active else seqlen, cache, start_pos, device)
+    def attention_inputs(seqlen, *args):
+        return inner(seqlen * ctx.size if ctx.sp_active else seqlen, *args)
 
     model._attention_inputs = attention_inputs
