@@ -1,0 +1,85 @@
+"""Start-up checks of context parallelism: one line each, naming the key and the nearest valid values.
+
+    ring, ulysses = cp_degrees(cp, mode, cp_ulysses)
+    check_context_parallel(cp, mode, cp_ulysses, seq_len, n_heads, n_kv_heads, tp)
+
+What users hit in other frameworks (DeepSpeed #5177, EasyContext #47, verl #1226): a sequence
+that does not split into the zigzag chunks, heads that do not split over the Ulysses degree,
+a hybrid split that does not divide the cp degree. Each is caught here, before any rank starts.
+"""
+
+from __future__ import annotations
+
+from polytrain.distributed.context_parallel.layout import Layout
+from polytrain.errors import ConfigError
+
+MODES = ("ulysses", "ring", "hybrid")
+
+
+def cp_degrees(cp: int, mode: str, cp_ulysses: int) -> tuple[int, int]:
+    """(ring, ulysses) degrees for parallel.cp, parallel.cp_mode and parallel.cp_ulysses."""
+    if cp < 1:
+        raise ConfigError(f"parallel.cp = {cp} must be at least 1")
+    if mode not in MODES:
+        raise ConfigError(f"parallel.cp_mode = {mode!r} is not one of {', '.join(MODES)}")
+    if mode == "ulysses":
+        return 1, cp
+    if mode == "ring":
+        return cp, 1
+    if cp_ulysses < 1 or cp % cp_ulysses:
+        raise ConfigError(f"parallel.cp_ulysses = {cp_ulysses} must divide parallel.cp = {cp} "
+                          f"(hybrid runs Ulysses inside groups of cp_ulysses ranks, a ring across them); "
+                          f"choose one of {', '.join(map(str, _divisors(cp)))}")
+    return cp // cp_ulysses, cp_ulysses
+
+
+def check_context_parallel(cp: int, mode: str, cp_ulysses: int, seq_len: int, n_heads: int,
+                           n_kv_heads: int, tp: int = 1) -> None:
+    """ConfigError unless the sequence and the heads (per tensor-parallel rank) fit the cp degrees."""
+    ring, ulysses = cp_degrees(cp, mode, cp_ulysses)
+    if cp == 1:
+        return
+    _check_sequence(seq_len, ring, ulysses, mode)
+    if ulysses > 1:
+        _check_heads(n_heads, n_kv_heads, tp, ulysses, mode)
+
+
+def _check_sequence(seq_len: int, ring: int, ulysses: int, mode: str) -> None:
+    step = Layout(0, ring, ulysses).divisor
+    if seq_len % step == 0:
+        return
+    why = {"ulysses": f"parallel.cp = {ulysses} (Ulysses splits the sequence evenly)",
+           "ring": f"2 x parallel.cp = {step} (ring attention's zigzag chunks)",
+           "hybrid": f"{step} (2 x {ring} zigzag chunks over the ring, each ring rank's split over "
+                     f"cp_ulysses = {ulysses})"}[mode]
+    raise ConfigError(f"data.seq_len = {seq_len} is not a multiple of {why}; "
+                      f"use {_nearest(seq_len, step)}")
+
+
+def _check_heads(n_heads: int, n_kv_heads: int, tp: int, ulysses: int, mode: str) -> None:
+    key = "parallel.cp" if mode == "ulysses" else "parallel.cp_ulysses"
+    heads = n_heads // tp  # query heads on one tensor-parallel rank
+    where = f" per tensor-parallel rank (model.n_heads / parallel.tp = {n_heads} / {tp})" if tp > 1 else ""
+    if heads % ulysses:
+        valid = [d for d in _divisors(heads) if d > 1]
+        raise ConfigError(f"{key} = {ulysses} must divide the {heads} attention heads{where}; "
+                          f"choose one of {', '.join(map(str, valid)) or '1 (no Ulysses)'}"
+                          + ("" if mode == "ulysses" else " or parallel.cp_mode = 'ring'"))
+    kv = max(n_kv_heads // tp, 1)  # tensor parallelism replicates KV heads it cannot split
+    if kv % ulysses and ulysses % kv:
+        raise ConfigError(f"{key} = {ulysses} and the {kv} key/value heads{where}: one must divide the "
+                          f"other (Ulysses splits the KV heads, or repeats each on ulysses / n_kv_heads "
+                          f"ranks); choose one of {', '.join(map(str, _kv_fits(heads, kv)))}")
+
+
+def _kv_fits(heads: int, kv: int) -> list[int]:
+    return [d for d in _divisors(heads) if d > 1 and (kv % d == 0 or d % kv == 0)]
+
+
+def _nearest(value: int, step: int) -> str:
+    below, above = value // step * step, (value // step + 1) * step
+    return f"{below} or {above}" if below > 0 else str(above)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
