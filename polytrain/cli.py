@@ -1,8 +1,9 @@
-"""`polytrain` command line: train, generate, chat, prepare, consolidate, convert, run.
+"""`polytrain` command line: train, generate, chat, eval, prepare, consolidate, convert, run.
 
     polytrain train [--config FILE.toml] [--deepspeed_config ds_config.json] [--section.key VALUE ...]
     polytrain generate RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
     polytrain chat RUN_DIR [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
+    polytrain eval needle RUN_DIR [--lengths 1k,4k,16k] [--depths 0,25,50,75,100] [--repeats N] [--out DIR]
     polytrain prepare SOURCE OUT.bin [--vocab-size N] [--tokenizer bpe|PATH] [--val-fraction F]
     polytrain consolidate CHECKPOINT_DIR OUT [--dtype fp32|bf16|fp16] [--format safetensors|pt]
     polytrain convert HF_DIR OUT_DIR | polytrain convert --to hf RUN_OR_CHECKPOINT OUT_DIR [--dtype ...]
@@ -80,6 +81,35 @@ def _chat(argv: list[str]) -> int:
     chat = Chat(load_run(args.run_dir), Path(args.run_dir), args.max_new_tokens, args.temperature,
                 args.top_k, args.top_p, args.seed)
     repl(chat)
+    return 0
+
+
+def _eval(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="polytrain eval", description="Evaluate a trained run.")
+    tasks = parser.add_subparsers(dest="task", required=True)
+    needle = tasks.add_parser("needle", help="needle-in-a-haystack retrieval over lengths x depths; "
+                                             "writes needle.json and needle.png")
+    needle.add_argument("run_dir", help="a run directory (trained, or made by `polytrain convert`)")
+    needle.add_argument("--lengths", default="1k,2k,4k", help="context lengths in tokens, k = 1024")
+    needle.add_argument("--depths", default="0,25,50,75,100", help="needle depths, percent of the context")
+    needle.add_argument("--repeats", type=int, default=2, help="prompts per cell (different keys and haystacks)")
+    needle.add_argument("--needles", type=int, default=1, help="needles per prompt (> 1: multi-needle retrieval)")
+    needle.add_argument("--haystack", default="stdlib", help="corpus of the filler text (as data.source)")
+    needle.add_argument("--seed", type=int, default=0)
+    needle.add_argument("--checkpoint", default=None, help="a step_<N> directory (default: the newest)")
+    needle.add_argument("--out", default=None, help="directory for needle.json / needle.png (default: RUN_DIR)")
+    args = parser.parse_args(argv)
+
+    from polytrain.inference.load import load_run
+    from polytrain.inference.needle import evaluate_needle, parse_depths, parse_lengths, write_needle
+
+    lengths, depths = parse_lengths(args.lengths), parse_depths(args.depths)
+    run = load_run(args.run_dir, args.checkpoint)
+    result = evaluate_needle(run.model, run.tokenizer, lengths, depths, repeats=args.repeats,
+                             needles=args.needles, seed=args.seed, source=args.haystack)
+    result["checkpoint"] = str(run.checkpoint)
+    paths = write_needle(result, args.out or args.run_dir, title=run.checkpoint.parent.parent.name)
+    print(f"needle retrieval overall {result['overall']:.1f} / 100; wrote {paths[0]} and {paths[1]}")
     return 0
 
 
@@ -184,7 +214,7 @@ def _convert(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": _train, "generate": _generate, "prepare": _prepare, "consolidate": _consolidate,
-            "convert": _convert, "chat": _chat, "run": _run}
+            "convert": _convert, "chat": _chat, "run": _run, "eval": _eval}
 
 
 def main(argv: list[str] | None = None) -> int:
