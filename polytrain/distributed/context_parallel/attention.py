@@ -10,8 +10,10 @@ Each rank's tokens are the layout's slots (layout.py). Modes, by the groups' deg
 - ring (ulysses 1): K/V shards around the ring, LSE-merged (ring.py);
 - hybrid: Ulysses inside groups of `ulysses` ranks, then a ring across the groups on the
   H/ulysses heads each rank holds (USP, Fang and Zhao 2024; LoongTrain's head x context).
-With one rank it is the single-device blockwise kernel. Every mode computes blockwise,
-in O(T/P) memory for ring, O(T) for the Ulysses sequence.
+With one rank it is the single-device blockwise kernel. The ring computes blockwise (its
+partial results carry their log-sum-exp) in O(T/P) memory; Ulysses attends over whole
+sequences in O(T), with SDPA's fused kernel for plain causal masks and blockwise for
+packed documents (whose dense mask SDPA would need).
 
 The document ids of the whole batch are set per batch (every rank of a cp group reads the
 same batch), so no rank needs to be sent another's: the core reads the ids of any slot.
@@ -23,6 +25,7 @@ import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from polytrain.distributed.context_parallel.layout import CPGroups, Layout
 from polytrain.distributed.context_parallel.ring import RingPlan, ring_attention
@@ -72,9 +75,12 @@ class ContextParallel:
             q = seq_to_heads(q, g.ulysses)
             k = seq_to_heads(spread_kv(k, g.ulysses_size), g.ulysses)
             v = seq_to_heads(spread_kv(v, g.ulysses_size), g.ulysses)
-        docs = None if documents is None else documents.to(q.device)
-        slots = [layout.ring_slots(r).to(q.device) for r in range(g.ring_size)]
-        out = ring_attention(q, k, v, RingPlan(g, slots, docs, causal, scale, _tile(layout, self.block)))
+        if g.ring_size == 1 and documents is None:
+            out = _whole_sequence(q, k, v, causal, scale)  # no partial results to merge: SDPA's fused kernel
+        else:
+            docs = None if documents is None else documents.to(q.device)
+            slots = [layout.ring_slots(r).to(q.device) for r in range(g.ring_size)]
+            out = ring_attention(q, k, v, RingPlan(g, slots, docs, causal, scale, _tile(layout, self.block)))
         return heads_to_seq(out, g.ulysses) if g.ulysses_size > 1 else out
 
     def core_for(self, attention: nn.Module):
@@ -101,6 +107,14 @@ class ContextParallel:
         """Replace the attention core of every block in `model.layers` (before TP and checkpointing wrap it)."""
         for block in model.layers.values():
             block.attention.core = self.core_for(block.attention)
+
+
+def _whole_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """Plain causal (or full) attention over whole sequences in slot order (Ulysses without a ring):
+    SDPA's fused kernels, which keep no (T, T) tensor when no mask is given."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
 
 def _tile(layout: Layout, block: int) -> int:

@@ -109,6 +109,10 @@ def _ranges(x: torch.Tensor, block: int) -> list[tuple]:
     return list(zip(lo, hi))
 
 
+def _blocks(block: int | tuple[int, int]) -> tuple[int, int]:
+    return (block, block) if isinstance(block, int) else block
+
+
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)  # fp32 for 16-bit inputs, fp64 stays fp64
 
@@ -129,13 +133,13 @@ def _masked(scores: torch.Tensor, verdict, rep: int) -> torch.Tensor:
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, scale: float,
-                      block: int = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+                      block: int | tuple[int, int] = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, H, Tq, D), k and v (B, Hkv, Tk, D) -> out (B, H, Tq, D) fp32 (fp64 for fp64 inputs)
     and lse (B, H, Tq) in the same dtype. A query that sees no key gets out 0 and lse -inf."""
     B, H, Tq, D = q.shape
     n_kv, dtype = k.shape[1], _compute_dtype(q)
     rep = H // n_kv
-    tiles = vis.tiles(block, block)
+    tiles = vis.tiles(*_blocks(block))
     k_tiles = [k[:, :, s:e].to(dtype) for s, e in tiles.k_bounds]  # (B, Hkv, tk, D) each
     v_tiles = [v[:, :, s:e].to(dtype) for s, e in tiles.k_bounds]
     outs, lses = [], []
@@ -166,7 +170,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Vi
 
 def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, dout: torch.Tensor, vis: Visibility, scale: float,
-                       block: int = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       block: int | tuple[int, int] = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `attention_forward`'s output, recomputed tile by tile.
 
     `out` and `lse` (B, H, Tq[, D]) are those of the whole attention over every key the queries
@@ -176,7 +180,7 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     B, H, Tq, D = q.shape
     n_kv, dtype = k.shape[1], _compute_dtype(q)
     rep = H // n_kv
-    tiles = vis.tiles(block, block)
+    tiles = vis.tiles(*_blocks(block))
     q_tiles = [t * scale for t in _query_tiles(q, n_kv, tiles.q_bounds, dtype)]  # (B, Hkv, rep * tq, D)
     do_tiles = _query_tiles(dout, n_kv, tiles.q_bounds, dtype)
     delta = (dout.to(dtype) * out.to(dtype)).sum(-1)  # (B, H, Tq): rowsum(dout * out)
