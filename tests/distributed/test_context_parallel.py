@@ -7,7 +7,8 @@ SDPA with the mask built whole, causal with packed documents and grouped-query h
 bidirectional with one key/value head; the bytes the collectives sent, forward and
 backward, equal the analytic formulas of cost.py; and a Llama whose attention cores are
 replaced, fed its shard of a packed batch with global positions, gives the single-process
-logits and, summed over the cp group, the same parameter gradients (to RoPE's fp32).
+logits and, summed over the cp group, the same parameter gradients (to RoPE's fp32); and
+generation with the KV cache sharded over the group gives the single process's tokens.
 """
 
 from __future__ import annotations
@@ -101,7 +102,17 @@ def _model_case(cp, seed):
     grads = dict(ref.named_parameters())
     errors["grads"] = max(((all_reduce(p.grad, cp.groups.cp) - grads[n].grad).abs().max()
                            / grads[n].grad.abs().max()).item() for n, p in model.named_parameters())
-    return errors
+    return errors, _generation(ref, model, cp, seed)
+
+
+def _generation(ref, model, cp, seed):
+    """Greedy tokens of a 37-token prompt: KV cache sharded over the cp group vs one process."""
+    from polytrain.inference.cp_generate import generate_cp
+    from polytrain.inference.generate import generate
+
+    cp.documents = None
+    prompt = torch.randint(0, ref.cfg.vocab_size, (37,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return generate_cp(model, cp, prompt, 8, temperature=0), generate(ref, [prompt], 8, temperature=0)[0]
 
 
 def _body(rank, world_size):
@@ -142,6 +153,14 @@ def test_bytes_sent_equal_the_formulas(results, layout):
 @pytest.mark.parametrize("layout", ["ring4", "ulysses4", "hybrid2x2"])
 def test_model_with_cp_cores_equals_the_single_process_model(results, layout):
     for rank_results in results:
-        errors = rank_results[(layout, "model")]
+        errors, _ = rank_results[(layout, "model")]
         # RoPE rotates in fp32 (models/common/rope.py), hence not float64's 1e-12.
         assert errors["logits"] < 1e-6 and errors["grads"] < 1e-6, errors
+
+
+@pytest.mark.parametrize("layout", ["ring4", "ulysses4", "hybrid2x2"])
+def test_generation_with_a_sharded_kv_cache_equals_one_process(results, layout):
+    """Prefill of 32-36 tokens over the group, the rest of the prompt and 8 new tokens decoded."""
+    for rank_results in results:
+        _, (sharded, single) = rank_results[(layout, "model")]
+        assert sharded == single and len(single) == 8

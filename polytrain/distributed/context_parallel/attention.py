@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from polytrain.distributed.context_parallel.decode import decode_attention
 from polytrain.distributed.context_parallel.layout import CPGroups, Layout
 from polytrain.distributed.context_parallel.ring import RingPlan, ring_attention
 from polytrain.distributed.context_parallel.ulysses import heads_to_seq, seq_to_heads, spread_kv
@@ -42,6 +43,8 @@ class ContextParallel:
         self.block = block
         self.documents: torch.Tensor | None = None
         """(B, T) document ids of the batch being run, whole sequences; None = one document per row."""
+        self.decoding = False
+        """True while generating over a ShardedKVCache: each call brings one token, the same on every rank."""
 
     @property
     def mode(self) -> str:
@@ -90,6 +93,9 @@ class ContextParallel:
             if attention.training and attention.dropout > 0:
                 raise ValueError("context-parallel attention has no attention-weight dropout; "
                                  "set model.dropout = 0")
+            if self.decoding:
+                scale = 1.0 / math.sqrt(q.shape[-1]) if attention.scale is None else attention.scale
+                return decode_attention(q, k, v, scale, self.groups)
             if mask is not None and not isinstance(mask, DocumentMask):
                 raise ValueError("context-parallel attention takes causal and packed-document masks, "
                                  "not a dense mask (KV-cache decoding runs through the sharded cache)")
