@@ -21,7 +21,9 @@ longest: a 2-block Llama (dim 128, 4 heads) trained one step (forward, chunked l
     backward) at doubling sequence lengths with cp 1, 2, 4 (ring): the longest that keeps
     every rank's added peak memory under --cap-mib, and that memory.
 
-Peak memory is VmHWM from /proc/self/status, reset before each step (Linux only).
+Peak memory is VmHWM from /proc/self/status, reset before the step (Linux only), in processes
+started with MALLOC_MMAP_THRESHOLD_=65536 so that glibc returns every freed large block to the
+system and the high-water mark follows the tensors alive, not the heap's history.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=4096, help="bytes: tokens of the whole sequence")
     p.add_argument("--reps", type=int, default=3, help="timed forward + backward runs per case")
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768], help="kernel")
+    p.add_argument("--sdpa-max-gib", type=float, default=3.0,
+                   help="kernel: skip SDPA with a dense mask where its (T, T) tensors would pass this")
     p.add_argument("--cap-mib", type=float, default=256.0, help="longest: per-rank memory cap")
     p.add_argument("--max-len", type=int, default=65536, help="longest: stop doubling here")
     p.add_argument("--json", type=Path, help="also write every figure to this JSON file")
@@ -203,6 +207,11 @@ def run_kernel(args) -> dict:
     for T in args.lengths:
         for packed in (False, True):
             for way in ("sdpa", "blockwise"):
+                dense_gib = T * T * (1 + 3 * 4 * 4) / 2**30  # bool mask + fp32 weights, grads, softmax, 4 heads
+                if way == "sdpa" and packed and dense_gib > args.sdpa_max_gib:
+                    table[f"{T}/packed/sdpa"] = {"skipped": f"needs ~{dense_gib:.0f} GiB for its (T, T) tensors"}
+                    print(f"{T:>6}  packed       sdpa  skipped: needs ~{dense_gib:.0f} GiB for its (T, T) tensors")
+                    continue
                 cmd = [sys.executable, __file__, "_kernel", str(T), way, str(int(packed)), str(args.reps)]
                 run = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
                 key = f"{T}/{'packed' if packed else 'causal'}/{way}"
@@ -277,6 +286,7 @@ def main() -> None:
         print(json.dumps(measure_kernel(int(T), way, bool(int(packed)), int(reps))))
         return
     args = parse_args()
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # for the processes started below (module docstring)
     load = os.getloadavg()[0]
     if load > 0.5:
         print(f"warning: load average {load:.1f}; timings are not trustworthy on a busy machine")

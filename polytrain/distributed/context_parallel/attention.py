@@ -31,14 +31,15 @@ from polytrain.distributed.context_parallel.decode import decode_attention
 from polytrain.distributed.context_parallel.layout import CPGroups, Layout
 from polytrain.distributed.context_parallel.ring import RingPlan, ring_attention
 from polytrain.distributed.context_parallel.ulysses import heads_to_seq, seq_to_heads, spread_kv
-from polytrain.models.common.blockwise_attention import DEFAULT_BLOCK
+from polytrain.models.common.blockwise_attention import auto_block
 from polytrain.models.common.documents import DocumentMask
 
 
 class ContextParallel:
     """Attention of one model whose sequences are split over a cp group (module docstring)."""
 
-    def __init__(self, groups: CPGroups, block: int = DEFAULT_BLOCK):
+    def __init__(self, groups: CPGroups, block: int | None = None):
+        """block: the blockwise kernel's rows per tile (default: auto_block's for the shapes)."""
         self.groups = groups
         self.block = block
         self.documents: torch.Tensor | None = None
@@ -83,7 +84,8 @@ class ContextParallel:
         else:
             docs = None if documents is None else documents.to(q.device)
             slots = [layout.ring_slots(r).to(q.device) for r in range(g.ring_size)]
-            out = ring_attention(q, k, v, RingPlan(g, slots, docs, causal, scale, _tile(layout, self.block)))
+            block = _tile(layout, self.block or auto_block(q.shape[0], q.shape[1]))
+            out = ring_attention(q, k, v, RingPlan(g, slots, docs, causal, scale, block))
         return heads_to_seq(out, g.ulysses) if g.ulysses_size > 1 else out
 
     def core_for(self, attention: nn.Module):

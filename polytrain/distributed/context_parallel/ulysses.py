@@ -39,36 +39,27 @@ def _heads_to_seq(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return recv.transpose(0, 1).reshape(B, n * h, T // n, D)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Reshard(torch.autograd.Function):
+    """Forward: sequence -> head shards (to_heads) or back; backward: the other direction."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_heads(x, group)
+    def forward(ctx, x, group, to_heads):
+        ctx.group, ctx.to_heads = group, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.group), None
+        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(grad, ctx.group), None, None
 
 
 def seq_to_heads(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """(B, H, T/U, D) -> (B, H/U, T, D), differentiable (backward: the reverse all-to-all)."""
-    return _SeqToHeads.apply(x, group)
+    return _Reshard.apply(x, group, True)
 
 
 def heads_to_seq(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """(B, H/U, T, D) -> (B, H, T/U, D), differentiable."""
-    return _HeadsToSeq.apply(x, group)
+    return _Reshard.apply(x, group, False)
 
 
 def kv_heads_for(n_kv: int, degree: int) -> int:

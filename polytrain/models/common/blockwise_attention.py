@@ -27,9 +27,10 @@ import torch
 
 from polytrain.models.common.documents import DocumentMask
 
-DEFAULT_BLOCK = 512
-"""Query and key rows per tile: a tile's scores are (B, H, 512, 512), large enough for
-efficient matmuls and small enough to stay in cache-sized working sets."""
+TILE_SCORES = 1 << 18
+"""Scores per tile, over the batch and heads together (1 MiB in fp32) when the tile size is
+left to `auto_block`: small enough to stay in a core's cache across the tile's elementwise
+passes (max, exp, sum), which on a CPU cost more than its two matmuls."""
 _SKIP = "skip"
 
 
@@ -109,8 +110,10 @@ def _ranges(x: torch.Tensor, block: int) -> list[tuple]:
     return list(zip(lo, hi))
 
 
-def _blocks(block: int | tuple[int, int]) -> tuple[int, int]:
-    return (block, block) if isinstance(block, int) else block
+def auto_block(batch: int, heads: int) -> int:
+    """Query and key rows per tile: a power of two in [64, 1024] near sqrt(TILE_SCORES / (B x H))."""
+    side = math.isqrt(max(TILE_SCORES // max(batch * heads, 1), 1))
+    return max(64, min(1024, 1 << (side.bit_length() - 1)))
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -133,13 +136,15 @@ def _masked(scores: torch.Tensor, verdict, rep: int) -> torch.Tensor:
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility, scale: float,
-                      block: int | tuple[int, int] = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+                      block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, H, Tq, D), k and v (B, Hkv, Tk, D) -> out (B, H, Tq, D) fp32 (fp64 for fp64 inputs)
-    and lse (B, H, Tq) in the same dtype. A query that sees no key gets out 0 and lse -inf."""
+    and lse (B, H, Tq) in the same dtype. A query that sees no key gets out 0 and lse -inf.
+    block: rows per tile (default auto_block's)."""
     B, H, Tq, D = q.shape
     n_kv, dtype = k.shape[1], _compute_dtype(q)
     rep = H // n_kv
-    tiles = vis.tiles(*_blocks(block))
+    block = block or auto_block(B, H)
+    tiles = vis.tiles(block, block)
     k_tiles = [k[:, :, s:e].to(dtype) for s, e in tiles.k_bounds]  # (B, Hkv, tk, D) each
     v_tiles = [v[:, :, s:e].to(dtype) for s, e in tiles.k_bounds]
     outs, lses = [], []
@@ -155,10 +160,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Vi
             s = _masked(qt @ kt.transpose(-1, -2), verdict, rep)  # (B, Hkv, rep * tq, tk)
             m_new = torch.maximum(m, s.amax(-1))
             m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # rows that saw no key yet
-            p = torch.exp(s - m_safe[..., None])
+            p = s.sub_(m_safe[..., None]).exp_()  # in place: the tile is the largest tensor here
             correction = torch.exp(m - m_safe)  # 0 where m was -inf
             l = l * correction + p.sum(-1)
-            acc = acc * correction[..., None] + p @ vt
+            acc = acc.mul_(correction[..., None]).add_(p @ vt)
             m = m_new
         outs.append(acc / l.masked_fill(l == 0, 1.0)[..., None])
         lses.append(m + torch.log(l))  # -inf where no key was visible
@@ -170,7 +175,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Vi
 
 def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, dout: torch.Tensor, vis: Visibility, scale: float,
-                       block: int | tuple[int, int] = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       block: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `attention_forward`'s output, recomputed tile by tile.
 
     `out` and `lse` (B, H, Tq[, D]) are those of the whole attention over every key the queries
@@ -180,7 +185,8 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     B, H, Tq, D = q.shape
     n_kv, dtype = k.shape[1], _compute_dtype(q)
     rep = H // n_kv
-    tiles = vis.tiles(*_blocks(block))
+    block = block or auto_block(B, H)
+    tiles = vis.tiles(block, block)
     q_tiles = [t * scale for t in _query_tiles(q, n_kv, tiles.q_bounds, dtype)]  # (B, Hkv, rep * tq, D)
     do_tiles = _query_tiles(dout, n_kv, tiles.q_bounds, dtype)
     delta = (dout.to(dtype) * out.to(dtype)).sum(-1)  # (B, H, Tq): rowsum(dout * out)
@@ -197,9 +203,9 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
             if verdict is _SKIP:
                 continue
             s = _masked(qt @ kt.transpose(-1, -2), verdict, rep)  # (B, Hkv, rep * tq, tk)
-            p = torch.exp(s - lse_tiles[i][..., None])
+            p = s.sub_(lse_tiles[i][..., None]).exp_()
             dv += p.transpose(-1, -2) @ do_tiles[i]
-            ds = p * (do_tiles[i] @ vt.transpose(-1, -2) - delta_tiles[i][..., None])
+            ds = (do_tiles[i] @ vt.transpose(-1, -2)).sub_(delta_tiles[i][..., None]).mul_(p)
             dq_tiles[i] += ds @ kt
             dk += ds.transpose(-1, -2) @ qt  # qt carries the scale already
         dks.append(dk)
@@ -228,11 +234,11 @@ class _BlockwiseAttention(torch.autograd.Function):
 
 
 def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: Visibility,
-                        scale: float | None = None, block: int = DEFAULT_BLOCK) -> torch.Tensor:
+                        scale: float | None = None, block: int | None = None) -> torch.Tensor:
     """softmax(scale q k^T, keys `vis` hides at -inf) v in O(T) memory, differentiable.
 
     q (B, H, Tq, D), k and v (B, Hkv, Tk, D) with Hkv dividing H -> (B, H, Tq, D) in q's dtype.
-    scale defaults to 1/sqrt(D).
+    scale defaults to 1/sqrt(D), block (rows per tile) to auto_block's.
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{k.shape[1]} key/value heads must divide {q.shape[1]} query heads")
@@ -241,7 +247,7 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: 
 
 
 def blockwise_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, *, causal: bool,
-                   scale: float | None, block: int = DEFAULT_BLOCK) -> torch.Tensor:
+                   scale: float | None, block: int | None = None) -> torch.Tensor:
     """Attention.core's contract (mask None or a DocumentMask) on the blockwise kernel."""
     if mask is not None and not isinstance(mask, DocumentMask):
         raise ValueError("blockwise attention takes causal / document masks only, not a dense mask tensor")
