@@ -129,15 +129,20 @@ def sample_rng(seed: int, *key) -> random.Random:
 
 class PasskeyDataset:
     """Training windows for passkey retrieval: sample i is a prompt + answer of seq_len + 1 tokens
-    at a random depth (seeded by (seed, i)); only the answer's tokens are scored.
+    at a random depth (seeded by (seed, i)).
 
-    get_batch has TokenDataset's contract: (inputs, targets), int64 (B, seq_len) each, targets
-    -100 where not scored.
+    score "answer": only the answer's tokens are scored; "all": every next token (language
+    modelling on the haystack too, from which small models learn the copying the task needs
+    far sooner than from the answer alone). get_batch has TokenDataset's contract: (inputs,
+    targets), int64 (B, seq_len) each, targets -100 where not scored.
     """
 
     def __init__(self, tokenizer: Tokenizer, seq_len: int, seed: int, n_samples: int = 1 << 20,
-                 source: str = "stdlib", needles: int = 1):
+                 source: str = "stdlib", needles: int = 1, score: str = "answer"):
+        if score not in ("answer", "all"):
+            raise ValueError(f"score = {score!r}: choose 'answer' or 'all'")
         self.tokenizer, self.seq_len, self.seed, self.needles = tokenizer, seq_len, seed, needles
+        self.score = score
         self.n_samples = n_samples
         self.haystack = Haystack(tokenizer, max(4 * seq_len, 1 << 16), source)
 
@@ -154,5 +159,6 @@ class PasskeyDataset:
                                    rng.uniform(0, 100), rng, facts)
             window = sample.prompt + answer  # seq_len + 1 tokens
             inputs.append(window[:-1])
-            targets.append([IGNORE] * (self.seq_len - len(answer)) + answer)
+            scored = window[1:] if self.score == "all" else [IGNORE] * (self.seq_len - len(answer)) + answer
+            targets.append(scored)
         return torch.tensor(inputs), torch.tensor(targets)

@@ -69,3 +69,21 @@ def test_byte_formulas_are_wave2s():
         fwd, bwd = attention_bytes(b, s, n, n_kv, d, ring=P, ulysses=1, elem_bytes=e)
         assert fwd == pytest.approx(2 * b * s * n_kv * d * (P - 1) / P * e)
         assert bwd == pytest.approx(fwd * (e + 4) / e)  # K/V again, plus their fp32 gradient
+
+
+def test_ring_steps_skip_half_of_every_foreign_shard():
+    """Under the zigzag layout a causal ring step computes half of a foreign shard's tiles, the
+    same number on every rank, so no rank waits for another."""
+    from polytrain.models.common.blockwise_attention import Visibility
+
+    layout, chunk = Layout(64, ring=4, ulysses=1), 8
+    computed = []
+    for j in range(4):
+        counts = []
+        for src in range(4):
+            tiles = Visibility(True, layout.ring_slots(j), layout.ring_slots(src)).tiles(chunk, chunk)
+            counts.append(sum(tiles.verdict(a, b) != "skip" for a in range(2) for b in range(2)))
+        computed.append(counts)
+    for j, counts in enumerate(computed):
+        assert counts[j] == 3  # its own shard: two diagonal tiles and the early chunk for the late one
+        assert all(c == 2 for src, c in enumerate(counts) if src != j)  # 2 of 4 tiles
