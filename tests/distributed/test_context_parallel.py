@@ -106,13 +106,16 @@ def _model_case(cp, seed):
 
 
 def _generation(ref, model, cp, seed):
-    """Greedy tokens of a 37-token prompt: KV cache sharded over the cp group vs one process."""
+    """Greedy tokens of a 37-token prompt, and of a 3-token one (shorter than the layout's chunks:
+    decoded token by token, some ranks' caches start empty): KV cache sharded over the cp group vs
+    one process."""
     from polytrain.inference.cp_generate import generate_cp
     from polytrain.inference.generate import generate
 
     cp.documents = None
     prompt = torch.randint(0, ref.cfg.vocab_size, (37,), generator=torch.Generator().manual_seed(seed)).tolist()
-    return generate_cp(model, cp, prompt, 8, temperature=0), generate(ref, [prompt], 8, temperature=0)[0]
+    return ([generate_cp(model, cp, p, 8, temperature=0) for p in (prompt, prompt[:3])],
+            [generate(ref, [p], 8, temperature=0)[0] for p in (prompt, prompt[:3])])
 
 
 def _body(rank, world_size):
@@ -163,4 +166,4 @@ def test_generation_with_a_sharded_kv_cache_equals_one_process(results, layout):
     """Prefill of 32-36 tokens over the group, the rest of the prompt and 8 new tokens decoded."""
     for rank_results in results:
         _, (sharded, single) = rank_results[(layout, "model")]
-        assert sharded == single and len(single) == 8
+        assert sharded == single and [len(s) for s in single] == [8, 8]

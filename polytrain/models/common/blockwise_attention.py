@@ -105,6 +105,8 @@ def _bounds(n: int, block: int) -> list[tuple[int, int]]:
 
 def _ranges(x: torch.Tensor, block: int) -> list[tuple]:
     """Per tile of the last dim: (min, max) of x, numbers for (T,) and per-row lists for (B, T)."""
+    if x.shape[-1] == 0:  # no keys (an empty cache shard): no tiles
+        return []
     lo = torch.stack([t.amin(-1) for t in x.split(block, dim=-1)]).tolist()
     hi = torch.stack([t.amax(-1) for t in x.split(block, dim=-1)]).tolist()
     return list(zip(lo, hi))
