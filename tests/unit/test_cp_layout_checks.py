@@ -47,6 +47,7 @@ def test_zigzag_balances_causal_work():
     ((8, "hybrid", 4, 1020, 8, 8), "not a multiple of 8 .*2 x 2 zigzag chunks.*use 1016 or 1024"),
     ((4, "hybrid", 4, 1024, 6, 6), "parallel.cp_ulysses = 4 must divide the 6 .* or parallel.cp_mode = 'ring'"),
     ((2, "stripes", 1, 1024, 8, 8), "parallel.cp_mode = 'stripes' is not one of ulysses, ring, hybrid"),
+    ((2, "ring", 1, 1028, 8, 8, 4, True), "multiple of parallel.cp x parallel.tp = 2 x 4 .*use 1024 or 1032"),
 ])
 def test_bad_input_is_one_line_with_the_nearest_valid_values(args, message):
     with pytest.raises(ConfigError, match=message) as err:

@@ -10,6 +10,8 @@ a hybrid split that does not divide the cp degree. Each is caught here, before a
 
 from __future__ import annotations
 
+import math
+
 from polytrain.distributed.context_parallel.layout import Layout
 from polytrain.errors import ConfigError
 
@@ -34,12 +36,17 @@ def cp_degrees(cp: int, mode: str, cp_ulysses: int) -> tuple[int, int]:
 
 
 def check_context_parallel(cp: int, mode: str, cp_ulysses: int, seq_len: int, n_heads: int,
-                           n_kv_heads: int, tp: int = 1) -> None:
-    """ConfigError unless the sequence and the heads (per tensor-parallel rank) fit the cp degrees."""
+                           n_kv_heads: int, tp: int = 1, sp: bool = False) -> None:
+    """ConfigError unless the sequence and the heads (per tensor-parallel rank) fit the cp degrees;
+    with sequence parallelism (sp) each cp rank's tokens must also split over tp."""
     ring, ulysses = cp_degrees(cp, mode, cp_ulysses)
     if cp == 1:
         return
     _check_sequence(seq_len, ring, ulysses, mode)
+    if sp and seq_len % (cp * tp):
+        raise ConfigError(f"data.seq_len = {seq_len} is not a multiple of parallel.cp x parallel.tp = {cp} x {tp} "
+                          f"(sequence parallelism splits each cp rank's tokens over tp); "
+                          f"use {_nearest(seq_len, math.lcm(Layout(0, ring, ulysses).divisor, cp * tp))}")
     if ulysses > 1:
         _check_heads(n_heads, n_kv_heads, tp, ulysses, mode)
 
