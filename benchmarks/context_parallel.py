@@ -32,7 +32,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests / benchmarks are not installed
 from benchmarks.zero_memory_comm import CommCounter
+from polytrain.backend.flops import cpu_model
 from tests.multirank import run_ranks
 
 MiB = 2**20
@@ -291,7 +291,7 @@ def main() -> None:
     if load > 0.5:
         print(f"warning: load average {load:.1f}; timings are not trustworthy on a busy machine")
     parts = ("bytes", "kernel", "longest") if args.part == "all" else (args.part,)
-    results = {"date": datetime.date.today().isoformat(), "cpu": platform.processor() or platform.machine(),
+    results = {"date": datetime.date.today().isoformat(), "cpu": cpu_model(),
                "nproc": os.cpu_count(), "load": load}
     runners = {"bytes": run_bytes, "kernel": run_kernel, "longest": run_longest}
     for part in parts:
