@@ -16,10 +16,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
+from polytrain.checkpoint.trainer_state import FORMAT
 from polytrain.config import load_config
 from polytrain.models import ARCHITECTURES
 from polytrain.models.common.init import init_plain
-from polytrain.train.checkpoint import FORMAT
 from tests.multirank import run_ranks
 
 
@@ -36,9 +36,9 @@ def trainer_json(path):
 
 
 def _save_zero3(rank, world_size, size, path):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     model = build(size)
     mesh = init_device_mesh("cpu", (world_size,))
@@ -53,7 +53,7 @@ import resource, sys, time
 def hwm():
     return int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1]) / 1024
 import torch, torch.distributed.checkpoint as dcp, safetensors.torch
-from polytrain.train.consolidate import consolidate
+from polytrain.checkpoint.consolidate import consolidate
 base = hwm(); t = time.time()
 mode, ckpt, out = sys.argv[1:4]
 if mode == 'naive':  # for comparison: the whole state dict loaded, then save_file

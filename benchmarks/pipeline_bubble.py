@@ -117,7 +117,7 @@ def build(args, p: int, schedule: str, m: int, device):
     from polytrain.distributed.pipeline import PipelineRunner, split_model
     from polytrain.distributed.pipeline.plan import plan_pipeline
     from polytrain.models import ARCHITECTURES
-    from polytrain.train.trainer import causal_lm_loss
+    from polytrain.train.loss import causal_lm_loss
 
     v = VIRTUAL if schedule in ("interleaved", "zero_bubble") else 1
     rank = dist.get_rank()

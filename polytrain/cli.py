@@ -34,10 +34,10 @@ def _train(argv: list[str]) -> int:
         return 0
     cfg = config_from_argv(argv)
     if cfg.parallel.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        from polytrain.distributed.topology import ParallelDims
         from polytrain.train.launch import launch_local_workers
+        from polytrain.train.startup import plan_layout
 
-        ParallelDims.from_config(cfg, cfg.parallel.nproc)  # fail here, before starting workers
+        plan_layout(cfg, cfg.parallel.nproc)  # fail here, before starting workers
         return launch_local_workers(cfg.parallel.nproc, argv)
     return run_worker(argv, cfg)
 
@@ -146,7 +146,7 @@ def _consolidate(argv: list[str]) -> int:
                         help="safetensors or pt (default: pt for .pt/.pth/.bin files, else safetensors)")
     args = parser.parse_args(argv)
 
-    from polytrain.train.consolidate import consolidate
+    from polytrain.checkpoint.consolidate import consolidate
 
     out = consolidate(args.checkpoint, args.out, dtype=args.dtype, fmt=args.format)
     print(f"wrote {out} ({out.stat().st_size / 2**20:,.1f} MiB)")

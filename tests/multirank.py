@@ -78,3 +78,23 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 600) -
     if failures:
         raise AssertionError("\n".join(failures))
     return [results[r] for r in range(world_size)]
+
+
+def make_runtime(dims):
+    """The Runtime of layout `dims` for this process (a rank of run_ranks, or a single process)."""
+    from polytrain.backend import get_accelerator
+    from polytrain.distributed.runtime import Runtime
+    from polytrain.distributed.world import init_world
+
+    acc = get_accelerator()
+    return Runtime.create(acc, init_world(acc), dims)
+
+
+def tp_parallelize(model, dims):
+    """Apply `model`'s architecture plan over layout `dims` (tests' shortcut); (tp context, mesh)."""
+    from polytrain.distributed.tensor_parallel import parallelize_model
+    from polytrain.models import ARCHITECTURES
+
+    runtime = make_runtime(dims)
+    plan = ARCHITECTURES[model.cfg.arch].tp_plan(model.cfg) if dims.tp > 1 else None
+    return parallelize_model(model, plan, runtime), runtime.mesh

@@ -18,6 +18,8 @@ from typing import Iterator
 
 import torch
 
+from polytrain.io.atomic import write_text_atomic
+
 # Ordered most specific first: the first key found in the device name wins, so
 # "H100 NVL" must precede "H100" and "A100" must precede "A10".
 _GPU_PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
@@ -144,9 +146,7 @@ def cpu_peak_flops(dtype: torch.dtype) -> float:
             # again next time until one was taken on a quiet machine.
             best = max(measure_matmul_flops(dtype), entry.get("flops", 0.0) if isinstance(entry, dict) else 0.0)
             cache[key] = entry = {"flops": best, "settled": _machine_is_quiet()}
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
-            os.replace(tmp, path)  # readers never see a half-written file
+            write_text_atomic(path, json.dumps(cache, indent=1, sort_keys=True))  # never half-written
     return float(entry["flops"])
 
 

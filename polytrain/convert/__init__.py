@@ -29,10 +29,12 @@ from pathlib import Path
 
 import torch
 
-from polytrain.config import Config, ModelConfig, load_config, resolve_model, to_toml, validate
-from polytrain.convert.hf_files import HFTensors, Reader, read_config, write_safetensors
+from polytrain.checkpoint import RunDir
+from polytrain.config import Config, ModelConfig, load_config, to_toml, validate
 from polytrain.errors import CheckpointError, ConfigError
+from polytrain.io.hf_files import HFTensors, Reader, read_config, write_safetensors
 from polytrain.models import ARCHITECTURES
+from polytrain.models.registry import resolve_model, shape_config
 
 TOKENIZER = "tokenizer.json"
 HF_EXTRAS = "hf"
@@ -103,8 +105,7 @@ def check_shapes(state: dict[str, torch.Tensor], cfg: ModelConfig, origin: dict[
 
 def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     """Convert the Hugging Face model in `hf_dir` into a polytrain run directory `out_dir`."""
-    from polytrain.train.checkpoint import checkpoints_dir, save_weights
-    from polytrain.train.trainer import SHAPE_FIELDS
+    from polytrain.checkpoint import save_weights
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     hf_config = read_config(hf_dir)
@@ -127,9 +128,9 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     for file in sorted(hf_dir.iterdir()):
         if file.is_file() and file.suffix in _EXTRA_SUFFIXES and file.name not in _WEIGHT_INDEXES + (TOKENIZER,):
             shutil.copyfile(file, extras / file.name)
-    (out_dir / "config.toml").write_text(to_toml(cfg))
-    save_weights(checkpoints_dir(out_dir) / "step_0", state,
-                 {k: getattr(model, k) for k in SHAPE_FIELDS})
+    run = RunDir(out_dir)
+    run.config.write_text(to_toml(cfg))
+    save_weights(run.checkpoints / "step_0", state, shape_config(model))
     return out_dir
 
 
@@ -147,24 +148,24 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype: str | None = None)
 
     dtype: "fp32", "bf16" or "fp16" for floating tensors; None keeps each tensor's stored dtype.
     """
-    from polytrain.train.checkpoint import STATE_FILE, check_checkpoint, latest_checkpoint
-    from polytrain.train.consolidate import read_model_tensors
+    from polytrain.checkpoint import STATE_FILE, check_checkpoint, latest_checkpoint
+    from polytrain.checkpoint.consolidate import read_model_tensors
 
     source, out_dir = Path(source), Path(out_dir)
     if (source / STATE_FILE).is_file():  # a checkpoint: its run is two levels up
         checkpoint, run_dir = source, source.parent.parent
     else:
         run_dir, checkpoint = source, latest_checkpoint(source)
-        if not (run_dir / "config.toml").is_file():
+        if not RunDir(run_dir).config.is_file():
             raise ConfigError(f"{source} is neither a polytrain run directory nor a checkpoint")
         if checkpoint is None:
             raise CheckpointError(f"{run_dir} has no complete checkpoint under checkpoints/")
     check_checkpoint(checkpoint)
-    if not (run_dir / "config.toml").is_file():
+    if not RunDir(run_dir).config.is_file():
         raise ConfigError(f"{run_dir} (the run of {checkpoint}) has no config.toml")
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; choose {', '.join(DTYPES)}")
-    run_cfg = load_config(run_dir / "config.toml")
+    run_cfg = load_config(RunDir(run_dir).config)
     cfg = run_cfg.model
     hf = ARCHITECTURES[cfg.arch].hf()
     state = read_model_tensors(checkpoint, DTYPES.get(dtype))

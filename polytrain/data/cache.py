@@ -25,11 +25,12 @@ from typing import Any
 
 import tokenizers
 
-from polytrain.config import ConfigError, DataConfig
+from polytrain.config import DataConfig
 from polytrain.data.corpus import Corpus, open_corpus
 from polytrain.data.packed import PreparedCorpus, load_prepared, prepare
 from polytrain.data.split import Split, plan_split
 from polytrain.data.tokenizer import Tokenizer, train_bpe
+from polytrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from polytrain.config import ConfigError
+from polytrain.errors import ConfigError
 
 CHUNK_CHARS = 1 << 20
 """A .txt document ends at the first blank line after this many characters."""

@@ -27,23 +27,11 @@ from collections.abc import Sequence
 import torch
 
 from polytrain.config import Config
-from polytrain.errors import ConfigError
 from polytrain.models import ARCHITECTURES
 from polytrain.models.common.init import seed_for
-from polytrain.models.t5.model import DECODER_START
+from polytrain.models.registry import objective_name
 
 IGNORE = -100  # F.cross_entropy's ignore_index
-OBJECTIVE_OF_KIND = {"decoder": "causal", "encoder": "mlm", "encoder-decoder": "span"}
-
-
-def objective_name(cfg: Config) -> str:
-    """train.objective, with "auto" resolved from the architecture's kind."""
-    kind = ARCHITECTURES[cfg.model.arch].kind
-    name = cfg.train.objective if cfg.train.objective != "auto" else OBJECTIVE_OF_KIND[kind]
-    if name != OBJECTIVE_OF_KIND[kind]:
-        raise ConfigError(f"train.objective = '{name}' does not fit {cfg.model.arch} (an {kind} model); "
-                          f"use '{OBJECTIVE_OF_KIND[kind]}' or 'auto'")
-    return name
 
 
 def span_counts(length: int, density: float, mean_span: float) -> tuple[int, int]:
@@ -89,7 +77,7 @@ def build_objective(cfg: Config, tokenizer):
         return MaskedLM(special[0], tokenizer.vocab_size, cfg.data.mask_fraction, seed)
     if name == "span":
         return SpanCorruption(special, cfg.data.mask_fraction, cfg.data.mean_span_length, seed,
-                              tokenizer.eot_id)
+                              tokenizer.eot_id, ARCHITECTURES[cfg.model.arch].decoder_start)
     return CausalLM()
 
 
@@ -136,15 +124,17 @@ class SpanCorruption:
 
     name = "span"
 
-    def __init__(self, sentinels: list[int], density: float, mean_span: float, seed: int, eos_id: int):
-        """sentinels[k]: the id that stands for the k-th cut span; eos_id ends the targets."""
+    def __init__(self, sentinels: list[int], density: float, mean_span: float, seed: int, eos_id: int,
+                 decoder_start: int = 0):
+        """sentinels[k]: the id that stands for the k-th cut span; eos_id ends the targets;
+        decoder_start: the id the decoder's input starts with (T5's: 0)."""
         self.sentinels, self.density, self.mean_span = sentinels, density, mean_span
-        self.seed, self.eos_id = seed, eos_id
+        self.seed, self.eos_id, self.decoder_start = seed, eos_id, decoder_start
 
     def batch(self, inputs: torch.Tensor, targets: torch.Tensor, indices: Sequence[int]):
         """((encoder input (B, T - noise + spans), decoder input (B, noise + spans + 1)), targets).
 
-        The decoder input is the targets shifted right behind the start token (id 0, T5's).
+        The decoder input is the targets shifted right behind the start token.
         """
         T = inputs.shape[1]
         noise, spans = span_counts(T, self.density, self.mean_span)
@@ -161,7 +151,7 @@ class SpanCorruption:
             enc.append(e)
             dec.append(d + [self.eos_id])
         targets = torch.tensor(dec)  # (B, noise + spans + 1)
-        start = torch.full((len(dec), 1), DECODER_START)
+        start = torch.full((len(dec), 1), self.decoder_start)
         return (torch.tensor(enc), torch.cat([start, targets[:, :-1]], 1)), targets
 
 

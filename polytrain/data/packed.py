@@ -22,11 +22,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from polytrain.config import ConfigError
-from polytrain.data.atomic import atomic_path, write_text_atomic
 from polytrain.data.corpus import Document, open_corpus
 from polytrain.data.split import Split, plan_split, split_tokens
 from polytrain.data.tokenizer import Tokenizer
+from polytrain.errors import ConfigError
+from polytrain.io.atomic import atomic_path, write_text_atomic
 
 FORMAT = "polytrain.tokens/1"
 BATCH_CHARS = 4 << 20

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from polytrain.config import ConfigError
+from polytrain.errors import ConfigError
 
 
 def epoch_seed(seed: int, epoch: int) -> int:

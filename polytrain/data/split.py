@@ -19,8 +19,8 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from polytrain.config import ConfigError
 from polytrain.data.corpus import Document
+from polytrain.errors import ConfigError
 
 
 def hashed_to_val(name: str, val_fraction: float) -> bool:

@@ -17,8 +17,8 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from polytrain.config import ConfigError
-from polytrain.data.atomic import write_text_atomic
+from polytrain.errors import ConfigError
+from polytrain.io.atomic import write_text_atomic
 
 EOT = "<|endoftext|>"
 # End-of-text tokens of common tokenizer.json files, tried in order for `eot_id`.

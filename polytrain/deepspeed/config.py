@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from polytrain.optim.warmup_schedules import Schedule, WarmupCosineLR, WarmupDecayLR, WarmupLR
 from polytrain.errors import ConfigError
+from polytrain.optim.warmup_schedules import Schedule, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 __all__ = [
     "DSConfig",

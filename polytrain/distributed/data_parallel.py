@@ -1,6 +1,6 @@
 """Data parallelism and ZeRO behind one small strategy interface the trainer talks to.
 
-    dp = build_data_parallel(dims, mesh, cfg.parallel)
+    dp = build_data_parallel(runtime, cfg.parallel)
     model = dp.parallelize(model)                     # on the meta device, before materialize
     optimizer = dp.build_optimizer(model, cfg.train)  # after materialize; its param_groups carry the lr
     for i, batch in enumerate(micro_batches):
@@ -33,18 +33,16 @@ from pathlib import Path
 from typing import Collection, Protocol
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from polytrain.backend import get_accelerator
 from polytrain.config import ParallelConfig, TrainConfig
 from polytrain.distributed.offload import ShardStore
 from polytrain.distributed.reduce_scatter import AllReduceScatter
-from polytrain.distributed.topology import ParallelDims
+from polytrain.distributed.runtime import Runtime
 from polytrain.distributed.zero import ZeroDataParallel
 from polytrain.optim.builder import build_optimizer
 from polytrain.optim.clip import clip_coefficient, global_norm, squared_norm_share
@@ -67,30 +65,32 @@ class DataParallel(Protocol):
     def close(self) -> None: ...
 
 
-def build_data_parallel(dims: ParallelDims, mesh: DeviceMesh | None, cfg: ParallelConfig,
-                        run_dir: Path | None = None) -> DataParallel:
+def build_data_parallel(runtime: Runtime, cfg: ParallelConfig, run_dir: Path | None = None) -> DataParallel:
     """The strategy for `parallel.zero`; one data-parallel rank gets a plain optimizer unless offloading.
 
     `run_dir` is where nvme offload's files go when `parallel.nvme_path` is empty
     (<run dir>/offload); without it, a fresh temp directory.
     """
+    dims, mesh = runtime.dims, runtime.mesh
     if dims.pp > 1:  # ZeRO-1/2 are refused with pp at start-up (pipeline/plan.py)
         from polytrain.distributed.pipeline.chunks import PipelineDataParallel
 
-        return PipelineDataParallel(lambda: FSDP2DataParallel(dims, mesh, pipelined=True), mesh["pp"])
+        return PipelineDataParallel(lambda: FSDP2DataParallel(runtime, pipelined=True), mesh["pp"])
     if dims.zero in (1, 2) and (dims.dp > 1 or cfg.offload != "none"):
         nvme_dir = cfg.nvme_path or (Path(run_dir) / "offload" if run_dir is not None else None)
-        store = ShardStore(cfg.offload, nvme_dir, dist.get_rank() if dist.is_initialized() else 0)
+        store = ShardStore(cfg.offload, nvme_dir, runtime.world.rank, pin=runtime.acc.pin_memory_available())
         # ParallelDims puts all data-parallel ranks on dp_shard for these stages.
         dp_mesh = mesh["dp_shard"] if dims.dp > 1 else None
-        return ZeroDataParallel(dp_mesh, dims.zero, int(cfg.reduce_bucket_mb * 2**20), store)
-    return FSDP2DataParallel(dims, mesh)
+        return ZeroDataParallel(runtime.acc, dp_mesh, dims.zero, int(cfg.reduce_bucket_mb * 2**20), store)
+    return FSDP2DataParallel(runtime)
 
 
-def shard_unit(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool) -> FSDPModule:
-    """`fully_shard` one FSDP2 unit, reducing its gradients the way the backend does fastest."""
+def shard_unit(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool,
+               reduce_by_all_reduce: bool) -> FSDPModule:
+    """`fully_shard` one FSDP2 unit; `reduce_by_all_reduce`: the backend's reduce-scatter is
+    slower than its all-reduce (the accelerator says), so gradients are reduced by the latter."""
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    if get_accelerator().reduce_scatter_by_all_reduce:
+    if reduce_by_all_reduce:
         module.set_custom_reduce_scatter(AllReduceScatter())
     return module
 
@@ -101,8 +101,9 @@ class FSDP2DataParallel:
     `pipelined`: the module is a pipeline stage, run by a schedule over many micro-batches.
     """
 
-    def __init__(self, dims: ParallelDims, mesh: DeviceMesh | None, pipelined: bool = False):
-        self.dims, self.mesh, self.pipelined = dims, mesh, pipelined
+    def __init__(self, runtime: Runtime, pipelined: bool = False):
+        self.runtime, self.pipelined = runtime, pipelined
+        self.dims, self.mesh = runtime.dims, runtime.mesh
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
 
@@ -117,6 +118,13 @@ class FSDP2DataParallel:
         if self.dims.dp == 1:
             return model
         dp_mesh = self.mesh["dp_replicate", "dp_shard"]
+        by_all_reduce = self.runtime.acc.reduce_scatter_by_all_reduce
+        if not isinstance(getattr(model, "layers", None), nn.ModuleDict):
+            # A model without a `layers` dict of blocks (a user's, through polytrain.initialize)
+            # is one unit, gathered whole for forward and backward: ZeRO-3 then saves optimizer
+            # and gradient memory, but not the peak of the parameters.
+            shard_unit(model, dp_mesh, self.dims.zero == 3, by_all_reduce)
+            return model
         # Re-gathering after forward is what saves ZeRO-3 its memory; with full
         # replicas there is nothing to free. Two exceptions keep blocks gathered:
         # the last block, since backward starts with it (freeing it would only cost
@@ -128,10 +136,10 @@ class FSDP2DataParallel:
         blocks = list(model.layers.values())
         for i, block in enumerate(blocks):
             reshard = self.dims.zero == 3 and not self.pipelined and i < len(blocks) - 1
-            shard_unit(block, dp_mesh, reshard_after_forward=reshard)
+            shard_unit(block, dp_mesh, reshard, by_all_reduce)
         # The root's parameters (embedding, head) are needed again right at the start
         # of backward, so they stay gathered after forward.
-        shard_unit(model, dp_mesh, reshard_after_forward=False)
+        shard_unit(model, dp_mesh, False, by_all_reduce)
         return model
 
     def build_optimizer(self, model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from polytrain.backend import get_accelerator
 from polytrain.errors import ConfigError
 from polytrain.optim.lamb import Lamb
 from polytrain.optim.lars import Lars
@@ -37,13 +36,15 @@ OFFLOADS = ("none", "cpu", "nvme")
 class ShardStore:
     """Allocates the zero-filled fp32 buffers of one rank's ZeRO buckets where `offload` says."""
 
-    def __init__(self, offload: str = "none", nvme_dir: str | Path | None = None, rank: int = 0):
+    def __init__(self, offload: str = "none", nvme_dir: str | Path | None = None, rank: int = 0,
+                 pin: bool = False):
+        """`pin`: page-lock host buffers (cpu offload; when the accelerator can use pinned memory)."""
         if offload not in OFFLOADS:
             raise ValueError(f"offload must be one of {OFFLOADS}, not {offload!r}")
         self.offload, self.rank = offload, rank
         self.host = torch.device("cpu")
         # Page-locked masters let the copy to the device after each step run asynchronously.
-        self.pin = offload == "cpu" and get_accelerator().pin_memory_available()
+        self.pin = offload == "cpu" and pin
         self.dir: Path | None = None
         if offload == "nvme":
             if nvme_dir is not None:

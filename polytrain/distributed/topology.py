@@ -24,22 +24,21 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from polytrain.config import Config, ConfigError
-from polytrain.distributed.offload import check_nvme_path
-from polytrain.distributed.pipeline.plan import plan_from_config
-from polytrain.distributed.tensor_parallel.checks import check_tensor_parallel
-from polytrain.distributed.tensor_parallel.grid import grid_axes
+from polytrain.config import ParallelConfig
+from polytrain.distributed.grid_shape import grid_axes
+from polytrain.errors import ConfigError
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
-PIPELINE_SCHEDULES_WITH_CHUNKS = ("interleaved", "zero_bubble")
 
 
 @dataclass(frozen=True)
 class ParallelDims:
     """Validated parallel degrees for one world size.
 
-    Build with `ParallelDims.from_config(cfg, world_size)`; every inconsistent
-    combination fails there with a ConfigError naming the key and the fix.
+    Build with `ParallelDims.from_config(cfg.parallel, world_size)`; degrees that do not
+    fit the world fail there with a ConfigError naming the key and the fix. What the
+    degrees must also fit (the model, the batch, the pipeline) is checked by the start-up
+    layout check (polytrain/train/startup.py).
     """
 
     world_size: int
@@ -82,9 +81,9 @@ class ParallelDims:
         return list(by_rest.values())
 
     @classmethod
-    def from_config(cls, cfg: Config, world_size: int) -> ParallelDims:
-        p, t = cfg.parallel, cfg.train
-        _check_model_parallel(cfg)
+    def from_config(cls, p: ParallelConfig, world_size: int) -> ParallelDims:
+        """The degrees `p` asks for on `world_size` processes (dp = -1: what tp x pp leave)."""
+        _check_model_parallel(p)
         model_parallel = p.tp * p.pp
         if world_size % model_parallel:
             raise ConfigError(
@@ -110,25 +109,8 @@ class ParallelDims:
             if p.zero_shard not in (-1, 1):
                 raise ConfigError("parallel.zero_shard only applies with parallel.zero = 3; remove it or set zero = 3")
             shard = dp if p.zero in (1, 2) else 1
-        check_tensor_parallel(cfg, dp)  # tp against the model, the sequence and the ZeRO stage
-        if p.offload == "nvme" and p.nvme_path:
-            check_nvme_path(p.nvme_path)  # here, not in config.validate: another machine may read the config
-        per_step = t.micro_batch_size * dp
-        if t.global_batch_size % per_step:
-            options = sorted({max(per_step, t.global_batch_size // per_step * per_step),
-                              (t.global_batch_size // per_step + 1) * per_step})
-            raise ConfigError(
-                f"train.global_batch_size = {t.global_batch_size} is not a multiple of "
-                f"train.micro_batch_size x dp = {t.micro_batch_size} x {dp} = {per_step}; "
-                f"set it to {' or '.join(map(str, options))}, or lower train.micro_batch_size"
-            )
-        plan_from_config(cfg, dp)  # the pipeline keys against the model and batch
         return cls(world_size=world_size, dp_replicate=dp // shard, dp_shard=shard, zero=p.zero,
                    tp=p.tp, pp=p.pp, sp=p.sp, tp_mode=p.tp_mode, tp_depth=p.tp_depth)
-
-    def grad_accum_steps(self, cfg: Config) -> int:
-        """Micro-batches each rank runs per optimizer step to reach the global batch."""
-        return cfg.train.global_batch_size // (cfg.train.micro_batch_size * self.dp)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The world's DeviceMesh with named axes; needs an initialised process group.
@@ -156,9 +138,8 @@ def dp_coordinates(mesh: DeviceMesh) -> tuple[int, int]:
     return rank, rep.size() * shard.size()
 
 
-def _check_model_parallel(cfg: Config) -> None:
+def _check_model_parallel(p: ParallelConfig) -> None:
     """Degrees and modes that are wrong whatever the world size."""
-    p = cfg.parallel
     for key in ("tp", "pp", "tp_depth", "pp_virtual_stages"):
         if getattr(p, key) < 1:
             raise ConfigError(f"parallel.{key} = {getattr(p, key)} must be at least 1")

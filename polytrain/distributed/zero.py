@@ -47,7 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from polytrain.backend import get_accelerator
+from polytrain.backend.base import Accelerator
 from polytrain.config import TrainConfig
 from polytrain.distributed.offload import ShardStore, fresh_state, state_names
 from polytrain.distributed.reduce_scatter import start_reduce_scatter
@@ -172,17 +172,17 @@ class ZeroDataParallel:
       the sharded optimizer state, plain local tensors shaped like the masters.
     """
 
-    def __init__(self, mesh: DeviceMesh | None, stage: int, bucket_bytes: int,
+    def __init__(self, acc: Accelerator, mesh: DeviceMesh | None, stage: int, bucket_bytes: int,
                  store: ShardStore | None = None):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements stages 1 and 2, not {stage}")
-        self.mesh, self.stage, self.bucket_bytes = mesh, stage, bucket_bytes
+        self.acc, self.mesh, self.stage, self.bucket_bytes = acc, mesh, stage, bucket_bytes
         self._hooks: list = []
         self.store = store or ShardStore()
         # mesh None: one data-parallel rank, no process group.
         self.group = mesh.get_group() if mesh is not None else None
         self.rank, self.size = (mesh.get_local_rank(), mesh.size()) if mesh is not None else (0, 1)
-        self.by_all_reduce = get_accelerator().reduce_scatter_by_all_reduce  # see reduce_scatter.py
+        self.by_all_reduce = acc.reduce_scatter_by_all_reduce  # see reduce_scatter.py
         self.device = torch.device("cpu")  # of the compute parameters, set by build_optimizer
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -377,7 +377,7 @@ class ZeroDataParallel:
             master.grad = grad  # re-attached: an inner zero_grad(set_to_none) would have dropped them
         if self.store.offloaded:
             # The last gather's asynchronous copies to the device read the host masters this step rewrites.
-            get_accelerator().synchronize()
+            self.acc.synchronize()
         self.optimizer.step()
         self._gather_params()
 

@@ -31,20 +31,20 @@ from torch.utils.data import Dataset
 
 from polytrain.backend import get_accelerator
 from polytrain.deepspeed import DeepSpeedConfigWarning, DSConfig, load_ds_config
-from polytrain.distributed.data_parallel import build_data_parallel
-from polytrain.distributed.topology import ParallelDims, dp_coordinates
+from polytrain.distributed.runtime import Runtime
 from polytrain.distributed.world import World, init_world
 from polytrain.engine.build import (
     build_dataloader,
     build_optimizer,
     engine_config,
-    place_model,
     trainable_subset,
 )
 from polytrain.engine.engine import Engine, EngineUsageError
 from polytrain.engine.scheduler import LRScheduler
 from polytrain.errors import ConfigError
+from polytrain.train.build import place_model
 from polytrain.train.precision import check_fp16_autocast
+from polytrain.train.startup import plan_layout
 
 __all__ = ["Engine", "EngineUsageError", "LRScheduler", "add_config_arguments", "init_distributed",
            "initialize"]
@@ -119,23 +119,20 @@ def initialize(args: Any = None, model: nn.Module | None = None,
     cfg = engine_config(ds)
     if ds.precision == "fp16":
         check_fp16_autocast(acc)
-    dims = ParallelDims.from_config(cfg, world.world_size)
-    mesh = dims.build_mesh(acc.device_type) if world.world_size > 1 else None
-    dp_rank, dp_size = dp_coordinates(mesh) if mesh else (0, 1)
-    device = acc.device(world.local_rank)
+    runtime = Runtime.create(acc, world, plan_layout(cfg, world.world_size).dims)
     seed = ds.seed if ds.seed is not None else cfg.run.seed
 
-    dp = build_data_parallel(dims, mesh, cfg.parallel)
     trainable_subset(model, model_parameters)
     names_before = {id(p): name for name, p in model.named_parameters()}
-    model = place_model(model, dp, dims, mesh, device, seed)
+    built = place_model(runtime, model, cfg, seed)
+    model, dp = built.model, built.dp
     opt = build_optimizer(model, dp, cfg, ds.optimizer, optimizer, names_before)
     scheduler = _scheduler(ds, opt, lr_scheduler)
     loader = None
     if training_data is not None:
-        loader = build_dataloader(training_data, ds.train_micro_batch_size_per_gpu, dp_rank, dp_size,
-                                  seed, collate_fn)
-    engine = Engine(module=model, ds=ds, dp=dp, acc=acc, world=world, device=device, optimizer=opt,
+        loader = build_dataloader(training_data, ds.train_micro_batch_size_per_gpu, runtime.dp_rank,
+                                  runtime.dp_size, seed, collate_fn)
+    engine = Engine(module=model, ds=ds, dp=dp, acc=acc, world=world, device=runtime.device, optimizer=opt,
                     lr_scheduler=scheduler, training_dataloader=loader)
     return engine, opt, loader, scheduler
 

@@ -1,4 +1,5 @@
-"""What `polytrain.initialize` builds before the engine exists: config, model layout, optimizer, data.
+"""What `polytrain.initialize` builds before the engine exists, beside the model (train/build.py's
+`place_model`): config, optimizer, data.
 
 The ds_config decides everything: `load_ds_config` reads it by DeepSpeed's rules and its
 `to_overrides` become polytrain's Config, which the data-parallel strategy and the optimizer
@@ -12,17 +13,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from polytrain.config import Config, load_config
 from polytrain.deepspeed import DSConfig, OptimizerSpec, to_overrides
-from polytrain.distributed.data_parallel import DataParallel, FSDP2DataParallel, shard_unit
-from polytrain.distributed.materialize import materialize
-from polytrain.distributed.topology import ParallelDims
+from polytrain.distributed.data_parallel import DataParallel, FSDP2DataParallel
 from polytrain.errors import ConfigError
 
 
@@ -57,47 +54,6 @@ def trainable_subset(model: nn.Module, model_parameters: Iterable[Any] | None) -
     for param in model.parameters():
         if id(param) not in chosen:
             param.requires_grad_(False)
-
-
-def place_model(model: nn.Module, dp: DataParallel, dims: ParallelDims, mesh: DeviceMesh | None,
-                device: torch.device, seed: int) -> nn.Module:
-    """Put the user's model on `device`, equal on every rank, laid out by the data-parallel strategy.
-
-    A model built on the meta device is materialised after sharding, as the trainer does, so it
-    must provide `init_parameter`/`init_buffers` (polytrain's models do). A built model is
-    broadcast from rank 0, so ranks that initialised it with different random states agree.
-    """
-    on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-    if on_meta and not (hasattr(model, "init_parameter") and hasattr(model, "init_buffers")):
-        raise ConfigError(f"{type(model).__name__} has parameters on the meta device but no "
-                          "init_parameter/init_buffers to create them; build it on the CPU")
-    if not on_meta:
-        model.to(device)
-        _broadcast_from_rank0(model)
-    model = _parallelize(model, dp, dims, mesh)
-    if on_meta:
-        materialize(model, device, seed)
-    return model
-
-
-@torch.no_grad()
-def _broadcast_from_rank0(model: nn.Module) -> None:
-    # Every rank is a data-parallel rank until model-parallel axes exist, so the world is the dp group.
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.detach(), src=0)
-
-
-def _parallelize(model: nn.Module, dp: DataParallel, dims: ParallelDims,
-                 mesh: DeviceMesh | None) -> nn.Module:
-    """The strategy's layout; FSDP per block needs a `.layers` ModuleDict, else the model is one unit."""
-    if (isinstance(dp, FSDP2DataParallel) and dims.dp > 1
-            and not isinstance(getattr(model, "layers", None), nn.ModuleDict)):
-        # One unit gathers the whole model for forward and backward: ZeRO-3 then saves
-        # optimizer and gradient memory, but not the peak of the parameters.
-        shard_unit(model, mesh["dp_replicate", "dp_shard"], reshard_after_forward=dims.zero == 3)
-        return model
-    return dp.parallelize(model)
 
 
 def build_optimizer(model: nn.Module, dp: DataParallel, cfg: Config, spec: OptimizerSpec | None,

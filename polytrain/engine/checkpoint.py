@@ -7,8 +7,9 @@
             client_state.pt             # the client_state dict handed to save_checkpoint
             engine.json                 # step counters, lr scheduler, loss scale; written last
 
-A tag is written into `.tmp-<tag>/` and renamed once every rank has finished, so a crash
-while saving leaves the previous checkpoint (and `latest`) intact. As with the trainer's
+A tag is written by `write_checkpoint_dir` (polytrain/checkpoint/directory.py): into
+`.tmp-<tag>/`, synced and renamed once every rank has finished, so a crash or a failure while
+saving leaves the previous checkpoint (and `latest`) intact. As with the trainer's
 checkpoints, DCP stores tensors by name with their global shapes, so a checkpoint saved at
 one data-parallel / ZeRO layout loads at another.
 """
@@ -17,18 +18,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
+from polytrain.checkpoint import load_in_place, torch_bytes, write_checkpoint_dir
 from polytrain.distributed.data_parallel import DataParallel
 from polytrain.distributed.world import barrier
 from polytrain.errors import CheckpointError
-from polytrain.train.checkpoint import load_in_place
+from polytrain.io.atomic import write_text_atomic
 
 FORMAT = "polytrain-engine-checkpoint-1"
 STATE_FILE = "engine.json"
@@ -36,35 +36,15 @@ CLIENT_FILE = "client_state.pt"
 LATEST = "latest"
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def save(save_dir: str | os.PathLike, tag: str, dp: DataParallel, state: dict[str, Any],
          client_state: dict[str, Any], save_latest: bool) -> Path:
     """Write one tag collectively (every rank calls this); returns its directory."""
     root = Path(save_dir)
-    final, tmp = root / tag, root / f".tmp-{tag}"
-    main = not dist.is_initialized() or dist.get_rank() == 0
-    if main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    dcp.save(dp.state_dict(), checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
-    barrier()
-    if main:
-        torch.save(client_state, tmp / CLIENT_FILE)
-        _write_atomic(tmp / STATE_FILE, json.dumps({"format": FORMAT, "tag": tag, **state}, indent=1))
-        # An older checkpoint of the same tag stays whole until the new one is in place.
-        old = root / f".old-{tag}"
-        if final.exists():
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-        if save_latest:
-            _write_atomic(root / LATEST, tag)
+    record = json.dumps({"format": FORMAT, "tag": tag, **state}, indent=1).encode()
+    final = write_checkpoint_dir(root / tag, dp.state_dict(),
+                                 main_files=lambda: {CLIENT_FILE: torch_bytes(client_state), STATE_FILE: record})
+    if save_latest and (not dist.is_initialized() or dist.get_rank() == 0):
+        write_text_atomic(root / LATEST, tag)
     barrier()
     return final
 

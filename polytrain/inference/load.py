@@ -12,13 +12,12 @@ from pathlib import Path
 import torch
 
 from polytrain.backend import get_accelerator
+from polytrain.checkpoint import STATE_FILE, RunDir, latest_checkpoint, load_model_weights
 from polytrain.config import Config, load_config
 from polytrain.data.tokenizer import Tokenizer
 from polytrain.errors import CheckpointError, ConfigError
 from polytrain.inference.generate import generate, generate_seq2seq
 from polytrain.models import ARCHITECTURES
-from polytrain.models.t5.model import DECODER_START
-from polytrain.train.checkpoint import latest_checkpoint, load_model_weights
 
 
 @dataclass
@@ -31,10 +30,8 @@ class LoadedRun:
 
 def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> LoadedRun:
     """The model of `run_dir` with the weights of `checkpoint` (default: the newest), on one device."""
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.toml").is_file():
-        raise ConfigError(f"{run_dir} is not a polytrain run directory (no config.toml)")
-    cfg = load_config(run_dir / "config.toml")
+    run = RunDir(run_dir)
+    cfg = load_config(run.require_config())
     path = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir)
     if path is None:
         raise CheckpointError(f"{run_dir} has no complete checkpoint under checkpoints/")
@@ -44,7 +41,7 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> Loade
     model.to_empty(device=device)
     model.init_buffers()
     load_model_weights(path, model)
-    return LoadedRun(cfg, model.eval(), Tokenizer.load(run_dir / "tokenizer.json"), path)
+    return LoadedRun(cfg, model.eval(), Tokenizer.load(run.tokenizer), path)
 
 
 def load(path: str | Path, device: torch.device | str | None = None):
@@ -52,10 +49,9 @@ def load(path: str | Path, device: torch.device | str | None = None):
     model directory (converted in memory); the model in eval mode on `device` (default: the
     accelerator's). The tokenizer is None for an HF directory without tokenizer.json."""
     from polytrain.convert import load_hf
-    from polytrain.train.checkpoint import STATE_FILE
 
     path = Path(path)
-    if (path / "config.toml").is_file():
+    if RunDir(path).config.is_file():
         run = load_run(path)
     elif (path / STATE_FILE).is_file():
         run = load_run(path.parent.parent, path)
@@ -80,7 +76,8 @@ def generate_text(run: LoadedRun, prompt: str, max_new_tokens: int, *, temperatu
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, stop_tokens=stop_tokens(run.tokenizer),
                     generator=torch.Generator(device=device).manual_seed(seed))
     if kind == "encoder-decoder":
-        new = generate_seq2seq(run.model, [ids], max_new_tokens, start_token=DECODER_START, **sampling)
+        start = ARCHITECTURES[run.cfg.model.arch].decoder_start
+        new = generate_seq2seq(run.model, [ids], max_new_tokens, start_token=start, **sampling)
         return run.tokenizer.decode(new[0])
     room = run.cfg.model.max_seq_len - len(ids)
     if room <= 0:

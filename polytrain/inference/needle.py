@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch.nn as nn
 
-from polytrain.data.atomic import write_text_atomic
 from polytrain.data.needle import Haystack, needle_prompt, sample_rng
 from polytrain.data.tokenizer import Tokenizer
 from polytrain.errors import ConfigError
 from polytrain.inference.generate import generate
+from polytrain.io.atomic import write_text_atomic
 
 RESULT_FILE, PLOT_FILE = "needle.json", "needle.png"
 EXTRA_TOKENS = 2

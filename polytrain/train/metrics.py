@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
+
+from polytrain.checkpoint.run_dir import RunDir
+from polytrain.io.atomic import atomic_path, write_text_atomic
 
 # The bar lives in progress.py; re-exported because the trainer imports it from here.
 
 __all__ = ["MetricsLogger", "plot_loss", "read_metrics"]
 
-METRICS_FILE = "metrics.jsonl"
-PLOT_FILE = "loss.png"
 
 
 def _jsonable(value: Any) -> Any:
@@ -33,7 +33,7 @@ def _jsonable(value: Any) -> Any:
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """All rows of run_dir/metrics.jsonl; a line cut short by a crash is skipped."""
-    path = Path(run_dir) / METRICS_FILE
+    path = RunDir(run_dir).metrics
     if not path.exists():
         return []
     rows = []
@@ -68,17 +68,16 @@ class MetricsLogger:
             return
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = run_dir / METRICS_FILE
+        self.path = RunDir(run_dir).metrics
         kept = [] if resume_step is None else [
             row for row in read_metrics(run_dir)
             if isinstance(row.get("step"), (int, float)) and row["step"] <= resume_step
         ]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
-        os.replace(tmp, self.path)  # a crash mid-rewrite leaves the old file whole
+        # A crash mid-rewrite leaves the old file whole.
+        write_text_atomic(self.path, "".join(json.dumps(row) + "\n" for row in kept))
         self._file = open(self.path, "a", encoding="utf-8")
         if tensorboard:
-            self._writer = _summary_writer(run_dir / "tensorboard", resume_step)
+            self._writer = _summary_writer(RunDir(run_dir).tensorboard, resume_step)
 
     def log(self, row: dict[str, Any]) -> None:
         """Append one row (must have 'step'); NaN/inf are written as null."""
@@ -152,8 +151,7 @@ def plot_loss(run_dir: Path) -> Path:
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
 
-    out = run_dir / PLOT_FILE
-    tmp = run_dir / f".{PLOT_FILE}.tmp"
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, out)
+    out = RunDir(run_dir).plot
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, format="png")
     return out

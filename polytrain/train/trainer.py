@@ -1,4 +1,4 @@
-"""The training loop: config -> topology -> model -> parallelize -> data -> steps -> checkpoints.
+"""The training loop: start-up check -> runtime -> model builder -> data -> steps -> checkpoints.
 
 One `Trainer` runs on every rank. A step reads this rank's share of the global
 batch, runs it as micro-batches with gradient accumulation, clips the gradient by
@@ -18,34 +18,30 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from polytrain.backend import get_accelerator
+from polytrain.checkpoint import (
+    Checkpointer,
+    RunDir,
+    TrainerState,
+    check_checkpoint,
+    latest_checkpoint,
+)
 from polytrain.config import Config, to_toml
 from polytrain.data import GlobalBatchSampler, TokenDataset, prepare_corpus, val_batches
 from polytrain.data.objectives import build_objective, reserved_ids
-from polytrain.distributed.activation_checkpoint import apply_activation_checkpointing
-from polytrain.distributed.data_parallel import build_data_parallel
-from polytrain.distributed.materialize import materialize
-from polytrain.distributed.pipeline import PipelineRunner, plan_from_config, run_under, split_model
-from polytrain.distributed.pipeline.tied import COPIES, TiedEmbeddings
-from polytrain.distributed.tensor_parallel import Context, shard_sizes
-from polytrain.distributed.topology import ParallelDims, dp_coordinates
-from polytrain.distributed.world import barrier, init_world, max_over_world, mean_over_world
+from polytrain.distributed.world import barrier, max_over_world, mean_over_world
 from polytrain.errors import TrainingDiverged
 from polytrain.inference.generate import generate
-from polytrain.models import ARCHITECTURES
+from polytrain.models.registry import shape_config
 from polytrain.optim.schedule import set_lr
-from polytrain.train.checkpoint import Checkpointer, TrainerState, check_checkpoint, latest_checkpoint
-from polytrain.train.chunked_loss import LossHead
+from polytrain.train.build import AUTOCAST, build_model
 from polytrain.train.metrics import MetricsLogger, plot_loss
 from polytrain.train.precision import LossScaler, check_fp16_autocast
 from polytrain.train.progress import ProgressBar
+from polytrain.train.startup import start
 
 SAMPLE_PROMPT = "def "
 PLOT_INTERVAL_S = 15.0
-# Fields that decide parameter shapes: a checkpoint only loads into a model that agrees on them.
-SHAPE_FIELDS = ("arch", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")
 
 
 class Trainer:
@@ -53,12 +49,10 @@ class Trainer:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
-        self.acc = get_accelerator()
-        self.world = init_world(self.acc)
-        self.dims = ParallelDims.from_config(cfg, self.world.world_size)
-        self.mesh = self.dims.build_mesh(self.acc.device_type) if self.world.world_size > 1 else None
-        self.dp_rank, self.dp_size = dp_coordinates(self.mesh) if self.mesh else (0, 1)
-        self.device = self.acc.device(self.world.local_rank)
+        self.runtime, self.layout = start(cfg)  # the job joined, the layout checked, the mesh built
+        self.acc, self.world, self.dims = self.runtime.acc, self.runtime.world, self.runtime.dims
+        self.device = self.runtime.device
+        self.batch = self.layout.batch  # micro-batch size, accumulation steps, dp: read, never re-derived
         self.run_dir = cfg.run_dir
         self.resume_from = self._resume_path()
 
@@ -68,32 +62,23 @@ class Trainer:
         self.tokenizer = self.corpus.tokenizer
         # What the model reads and the loss scores: causal LM, BERT's masked LM or T5's span corruption.
         self.objective = build_objective(cfg, self.tokenizer)
-        self.dp = build_data_parallel(self.dims, self.mesh, cfg.parallel, run_dir=self.run_dir)
-        self.autocast_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
-                               "fp16": torch.float16}[cfg.train.precision]
-        self.pipeline: PipelineRunner | None = None  # set by _build_model when parallel.pp > 1
-        self.tp_ctx: Context | None = None  # set by _build_model when parallel.tp > 1
-        self.loss_head: LossHead | None = None  # set by _build_model (train.chunked_loss)
-        self.model = self._build_model()
-        # Under tp the model returns vocabulary-split logits: (B, T, V/tp) in 1d, a grid
-        # block of sequences and vocabulary otherwise; the context knows which.
-        self.loss_fn = self.tp_ctx.loss_fn(cfg.model.vocab_size) if self.tp_ctx else causal_lm_loss
+        self.autocast_dtype = AUTOCAST[cfg.train.precision]
+        built = build_model(self.runtime, cfg, self.layout.pipeline, run_dir=self.run_dir)
+        self.model, self.dp, self.loss, self.pipeline = built.model, built.dp, built.loss, built.pipeline
+        self.num_params, self.flops_per_token = built.num_params, built.flops_per_token
         # The optimizer whose param_groups carry the learning rate (ZeRO: the one over master shards).
         self.optimizer = self.dp.build_optimizer(self.model, cfg.train)
         seq_len = cfg.data.seq_len
         self.train_data = TokenDataset(self.corpus.train_path, self.corpus.dtype, seq_len)
         self.val_data = TokenDataset(self.corpus.val_path, self.corpus.dtype, seq_len)
-        self.sampler = GlobalBatchSampler(
-            len(self.train_data), cfg.train.global_batch_size, cfg.run.seed, self.dp_rank, self.dp_size,
-        )
-        self.accum = self.dims.grad_accum_steps(cfg)
+        rt = self.runtime
+        self.sampler = GlobalBatchSampler(len(self.train_data), self.batch.global_batch_size, cfg.run.seed,
+                                          rt.dp_rank, rt.dp_size)
         # eval_batches global batches: the same sequences whatever the layout, so
         # validation losses of different layouts compare directly.
-        self.val_indices = val_batches(
-            self.val_data, cfg.train.micro_batch_size, cfg.run.eval_batches * self.accum,
-            self.dp_rank, self.dp_size,
-        )
-        self.tokens_per_step = cfg.train.global_batch_size * seq_len
+        self.val_indices = val_batches(self.val_data, self.batch.micro_batch_size,
+                                       cfg.run.eval_batches * self.batch.accum_steps, rt.dp_rank, rt.dp_size)
+        self.tokens_per_step = self.batch.global_batch_size * seq_len
         self.scaler = self._loss_scaler()
         self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self._rng_state, self._set_rng_state)
         self.step = 0
@@ -115,11 +100,12 @@ class Trainer:
 
     def _prepare_corpus(self):
         # Rank 0 trains the tokenizer and tokenizes once; the others then hit the cache.
+        run = RunDir(self.run_dir)
         if self.world.is_main:
             corpus = prepare_corpus(self.cfg.data, self._tokenizer_vocab())
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.toml").write_text(to_toml(self.cfg))
-            corpus.tokenizer.save(self.run_dir / "tokenizer.json")
+            run.path.mkdir(parents=True, exist_ok=True)
+            run.config.write_text(to_toml(self.cfg))
+            corpus.tokenizer.save(run.tokenizer)
         barrier()
         if not self.world.is_main:
             corpus = prepare_corpus(self.cfg.data, self._tokenizer_vocab())
@@ -128,50 +114,6 @@ class Trainer:
     def _tokenizer_vocab(self) -> int:
         # The objective's special ids ([MASK], T5's sentinels) take the top of the model's vocabulary.
         return self.cfg.model.vocab_size - reserved_ids(self.cfg)
-
-    def _build_model(self) -> torch.nn.Module:
-        """Meta-device model -> pipeline stages -> tensor parallel -> activation checkpointing
-        -> data parallel -> real weights.
-
-        Under pipeline parallelism the returned module is an nn.ModuleDict of this
-        rank's stages ({global stage index: pruned model}) and `self.pipeline` runs them.
-        """
-        cfg, dims = self.cfg, self.dims
-        arch = ARCHITECTURES[cfg.model.arch]
-        with torch.device("meta"):
-            model = arch.build(cfg.model)
-        # Whole-model figures, whatever part of it this rank ends up holding.
-        self.num_params = model.num_params()
-        self.flops_per_token = model.flops_per_token(cfg.data.seq_len)
-        plan = plan_from_config(cfg, dims.dp)
-        pp_rank = self.mesh["pp"].get_local_rank() if plan else 0
-        stages = split_model(model, plan, pp_rank) if plan else {"": model}
-        # The loss head replaces the output Linear (same parameters) where one rank holds
-        # the whole head: not under tp (vocabulary-split logits) nor pp (the schedule's loss).
-        if cfg.train.chunked_loss and not plan and dims.tp == 1:
-            self.loss_head = model.output = LossHead.replacing(model.output)
-        for stage in stages.values():
-            self.tp_ctx = arch.parallelize(stage, dims, self.mesh)  # tp/sp, dropout streams; None on one rank
-            apply_activation_checkpointing(stage, cfg.train.activation_checkpoint)
-        model = self.dp.parallelize(stages if plan else model)
-        tied = TiedEmbeddings(stages, plan, self.mesh) if plan and cfg.model.tie_embeddings else None
-        for stage in stages.values():
-            materialize(stage, self.device, cfg.run.seed, init_as=COPIES if tied else None)
-        if tied:
-            self.dp.copies = COPIES
-        if plan:
-            for stage in stages.values():  # the schedule calls the stages; autocast goes with them
-                run_under(stage, lambda: self.acc.autocast(self.autocast_dtype))
-            mbs, seq, dim = cfg.train.micro_batch_size, cfg.data.seq_len, cfg.model.dim
-            # Under tp the head's logits are this rank's vocabulary slice; under sp the
-            # residual stream between stages is this rank's sequence slice.
-            tp_rank = self.mesh["tp"].get_local_rank()
-            vocab = shard_sizes(cfg.model.vocab_size, dims.tp)[tp_rank]
-            hidden = (mbs, seq // dims.tp if dims.sp else seq, dim)
-            self.pipeline = PipelineRunner(plan, stages, pp_rank, self.mesh["pp"].get_group(), self.device,
-                                           mbs, seq, hidden_shape=hidden, logits_shape=(mbs, seq, vocab),
-                                           after_backward=tied.sum_gradients if tied else None)
-        return model
 
     def _loss_scaler(self) -> LossScaler | None:
         """fp16 only: gradients are computed for loss x scale so small ones survive fp16."""
@@ -182,9 +124,6 @@ class Trainer:
         return LossScaler(loss_scale=t.loss_scale, initial_scale_power=t.initial_scale_power,
                           loss_scale_window=t.loss_scale_window, hysteresis=t.hysteresis,
                           min_loss_scale=t.min_loss_scale, device=self.device)
-
-    def _shape_config(self) -> dict[str, Any]:
-        return {k: getattr(self.cfg.model, k) for k in SHAPE_FIELDS}
 
     def _rng_state(self) -> dict[str, Any]:
         return {"torch": torch.get_rng_state(), "device": self.acc.get_rng_state(), "python": random.getstate()}
@@ -216,7 +155,7 @@ class Trainer:
     def _trainer_state(self) -> TrainerState:
         return TrainerState(
             step=self.step, sampler=self.sampler.state_dict(), optimizer=self.cfg.train.optimizer,
-            model_config=self._shape_config(), world_size=self.world.world_size,
+            model_config=shape_config(self.cfg.model), world_size=self.world.world_size,
             loss_scaler=self.scaler.state_dict() if self.scaler else None,
         )
 
@@ -230,18 +169,14 @@ class Trainer:
         args, targets = self.objective.batch(inputs, targets, indices)  # model inputs; -100 = not scored
         args = [a.to(self.device, non_blocking=True) for a in args]
         targets = targets.to(self.device, non_blocking=True)
-        if self.loss_head is not None:
-            with self.acc.autocast(self.autocast_dtype), self.loss_head.scoring(targets):
-                return self.model(*args)  # the head returns the mean loss, no (B, T', V) logits
         with self.acc.autocast(self.autocast_dtype):
-            logits = self.model(*args)  # (B, T', V)
-        return self.loss_fn(logits, targets)
+            return self.loss(self.model, args, targets)
 
     def _forward_backward(self, micro_batches: list[list[int]]) -> float:
         """Accumulate the gradients of the step's micro-batches; returns the step's mean loss (all ranks)."""
         scale = self.scaler.scale_loss if self.scaler else None
         if self.pipeline is not None:
-            loss_sum = self.pipeline.train_step(micro_batches, self.train_data, self.loss_fn, scale)
+            loss_sum = self.pipeline.train_step(micro_batches, self.train_data, self.loss.logits_loss, scale)
             return self.pipeline.mean_loss(loss_sum)
         loss_sum = torch.zeros((), device=self.device)
         for i, indices in enumerate(micro_batches):
@@ -258,8 +193,7 @@ class Trainer:
         """One optimizer step over the global batch; returns the step's loss, grad norm and lr."""
         self.model.train()
         local = self.sampler.next_batch()  # this rank's global_batch / dp sample indices
-        mbs = self.cfg.train.micro_batch_size
-        loss_value = self._forward_backward([local[i:i + mbs] for i in range(0, len(local), mbs)])
+        loss_value = self._forward_backward(self.batch.micro_batches(local))
         stats = {"loss": loss_value}
         if self.scaler is not None:
             stats["loss_scale"] = self.scaler.scale
@@ -295,7 +229,7 @@ class Trainer:
         """Mean validation loss over the fixed validation batches of all ranks."""
         self.model.eval()
         if self.pipeline is not None:
-            return self.pipeline.evaluate(self.val_indices, self.val_data, self.loss_fn)
+            return self.pipeline.evaluate(self.val_indices, self.val_data, self.loss.logits_loss)
         total = torch.zeros((), device=self.device)
         for indices in self.val_indices:
             total += self._loss(indices, self.val_data)
@@ -360,10 +294,10 @@ class Trainer:
         # hold other sequences); the checkpoint loads there. Masked-LM and span objectives
         # have no text sample.
         can_sample = self.objective.name == "causal"
-        one_process = self.pipeline is not None or cfg.parallel.tp_mode != "1d" and self.dims.tp > 1
+        one_process = self.pipeline is not None or self.dims.tp_mode != "1d" and self.dims.tp > 1
         sample = self.sample() if cfg.run.sample_tokens > 0 and can_sample and not one_process else ""
         if cfg.run.sample_tokens > 0 and can_sample and one_process and main:
-            print(f"no text sample under pipeline parallelism or tp_mode {cfg.parallel.tp_mode} (generation "
+            print(f"no text sample under pipeline parallelism or tp_mode {self.dims.tp_mode} (generation "
                   f"runs on one process): polytrain generate {self.run_dir}", flush=True)
         if main:
             plot_loss(self.run_dir)
@@ -392,7 +326,7 @@ class Trainer:
         return (f"model {m.arch} {m.size}: {self.num_params / 1e6:.1f}M parameters | {layout} | "
                 f"{self.acc.describe()}\n"
                 f"global batch {t.global_batch_size} x {self.cfg.data.seq_len} tokens "
-                f"({t.micro_batch_size} per micro-batch, {self.accum} accumulation steps) | "
+                f"({t.micro_batch_size} per micro-batch, {self.batch.accum_steps} accumulation steps) | "
                 f"{self.cfg.run.steps} steps | {self.cfg.train.precision} | run dir {self.run_dir}")
 
     def _mfu(self, tokens_per_s: float) -> float | None:
@@ -400,11 +334,6 @@ class Trainer:
         if not peak:
             return None
         return tokens_per_s * self.flops_per_token / (peak * self.world.world_size)
-
-
-def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy: logits (B, T, V), targets (B, T) -> scalar, computed in fp32."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:

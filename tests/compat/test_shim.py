@@ -193,10 +193,10 @@ def test_nvtx_ranges_become_profiler_ranges(shim):
 
 @pytest.mark.parametrize("preset", [None, "cuda"])
 def test_deepspeed_is_pointed_at_its_own_cpu_support(preset, monkeypatch):
+    import os
+
     from polytrain.backend import CPUAccelerator
     from polytrain.backend.compat import install, uninstall
-
-    import os
 
     if preset:
         monkeypatch.setenv("DS_ACCELERATOR", preset)

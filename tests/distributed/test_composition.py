@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tiny_overrides
-from tests.distributed.test_parity import _train_layouts, assert_same_trajectory, rows_after, train, train_rows
+from tests.distributed.test_parity import (
+    _train_layouts,
+    assert_same_trajectory,
+    rows_after,
+    train,
+    train_rows,
+)
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.slow

@@ -8,10 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from polytrain.config import ConfigError, load_config
-from polytrain.distributed.topology import ParallelDims
+from polytrain.config import load_config
+from polytrain.errors import ConfigError
+from polytrain.train.startup import plan_layout
 from tests.conftest import tiny_overrides
-from tests.distributed.test_parity import RTOL, assert_same_trajectory, rows_after, train, train_rows
+from tests.distributed.test_parity import (
+    RTOL,
+    assert_same_trajectory,
+    rows_after,
+    train,
+    train_rows,
+)
 from tests.distributed.test_zero12 import (
     SMALL_BUCKET_MB,
     assert_same_weights,
@@ -155,9 +162,9 @@ def test_nvme_path_must_be_a_writable_directory(tmp_path):
     cfg = load_config(None, ["--parallel.zero", "2", "--parallel.offload", "nvme",
                              "--parallel.nvme_path", str(tmp_path / "a_file" / "offload")])
     with pytest.raises(ConfigError, match=r"parallel.nvme_path = .*a_file is not a directory"):
-        ParallelDims.from_config(cfg, 2)
+        plan_layout(cfg, 2)
     cfg.parallel.nvme_path = str(tmp_path / "new" / "dir")  # created at start-up
-    assert ParallelDims.from_config(cfg, 2).dp == 2
+    assert plan_layout(cfg, 2).dims.dp == 2
 
 
 def test_nvme_path_must_be_writable(tmp_path):
@@ -168,4 +175,4 @@ def test_nvme_path_must_be_writable(tmp_path):
     cfg = load_config(None, ["--parallel.zero", "1", "--parallel.offload", "nvme",
                              "--parallel.nvme_path", str(locked / "offload")])
     with pytest.raises(ConfigError, match=r"parallel.nvme_path = .*locked is not writable"):
-        ParallelDims.from_config(cfg, 2)
+        plan_layout(cfg, 2)

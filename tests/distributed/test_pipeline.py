@@ -22,7 +22,14 @@ import pytest
 import torch.distributed.checkpoint as dcp
 
 from tests.conftest import tiny_overrides
-from tests.distributed.test_parity import _train_layouts, assert_same_trajectory, read_rows, rows_after, train, train_rows
+from tests.distributed.test_parity import (
+    _train_layouts,
+    assert_same_trajectory,
+    read_rows,
+    rows_after,
+    train,
+    train_rows,
+)
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from polytrain.config import ModelConfig
-from tests.multirank import run_ranks
+from tests.multirank import run_ranks, tp_parallelize
 
 pytestmark = pytest.mark.slow
 
@@ -32,17 +32,15 @@ def _setup(tp: int, sp: bool, cfg: ModelConfig, seed: int = 0, prepare=None):
     from polytrain.distributed.topology import ParallelDims
     from polytrain.models.common.init import init_plain
     from polytrain.models.llama.model import Llama
-    from polytrain.models.llama.parallelize import parallelize
 
     torch.manual_seed(seed)  # as the trainer does: dropout streams fork from the default generator
     ref = Llama(cfg)
     init_plain(ref, seed)
     dims = ParallelDims(world_size=tp, dp_replicate=1, dp_shard=1, zero=0, tp=tp, sp=sp)
-    mesh = dims.build_mesh("cpu")
     model = copy.deepcopy(ref)
     if prepare is not None:
         prepare(model)
-    ctx = parallelize(model, dims, mesh)
+    ctx, mesh = tp_parallelize(model, dims)
     return ref, model, ctx, mesh
 
 

@@ -21,7 +21,7 @@ from polytrain.config import ModelConfig
 from tests.conftest import tiny_overrides
 from tests.distributed.test_parity import assert_same_trajectory, rows_after, train, train_rows
 from tests.distributed.test_tp_training import copy_checkpoint
-from tests.multirank import run_ranks
+from tests.multirank import run_ranks, tp_parallelize
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-4
@@ -39,7 +39,6 @@ def _compare(rank: int, world_size: int, mode: str, depth: int, overrides: dict)
     from polytrain.distributed.topology import ParallelDims
     from polytrain.models.common.init import init_plain
     from polytrain.models.llama.model import Llama
-    from polytrain.models.llama.parallelize import parallelize
 
     cfg = dataclasses.replace(BASE, **overrides)
     ref = Llama(cfg)
@@ -47,7 +46,7 @@ def _compare(rank: int, world_size: int, mode: str, depth: int, overrides: dict)
     dims = ParallelDims(world_size=world_size, dp_replicate=1, dp_shard=1, zero=0, tp=world_size,
                         tp_mode=mode, tp_depth=depth)
     model = copy.deepcopy(ref)
-    ctx = parallelize(model, dims, dims.build_mesh("cpu"))
+    ctx, _ = tp_parallelize(model, dims)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (B, T), generator=gen)
     targets = torch.randint(0, cfg.vocab_size, (B, T), generator=gen)

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from tests.conftest import tiny_overrides
-from tests.distributed.test_parity import RTOL, assert_same_trajectory, rows_after, train, train_rows
+from tests.distributed.test_parity import (
+    RTOL,
+    assert_same_trajectory,
+    rows_after,
+    train,
+    train_rows,
+)
 from tests.multirank import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -33,14 +39,14 @@ def _train_and_count(rank: int, world_size: int, layouts: dict[str, list[str]]) 
         dp = trainer.dp
         out[name] = {"comm": dataclasses.asdict(dp.comm), "buckets": len(dp.buckets),
                      "padded": sum(b.size for b in dp.buckets) * world_size,
-                     "accum": trainer.accum, "stage": dp.stage}
+                     "accum": trainer.batch.accum_steps, "stage": dp.stage}
     return out
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    from polytrain.checkpoint.trainer_state import latest_checkpoint, load_model_weights
     from polytrain.config import load_config
     from polytrain.models import ARCHITECTURES
-    from polytrain.train.checkpoint import latest_checkpoint, load_model_weights
 
     cfg = load_config(run_dir / "config.toml")
     model = ARCHITECTURES[cfg.model.arch].build(cfg.model)

@@ -45,6 +45,7 @@ def _run(rank: int, world_size: int, stage: int, ckpt_dir: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
+    from polytrain.backend import get_accelerator
     from polytrain.config import TrainConfig
     from polytrain.distributed.zero import ZeroDataParallel
     from polytrain.optim.builder import build_optimizer
@@ -53,7 +54,7 @@ def _run(rank: int, world_size: int, stage: int, ckpt_dir: Path) -> None:
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
     ref = _toy(0)
     ref_opt = build_optimizer(ref, cfg)
-    zero = ZeroDataParallel(mesh, stage, bucket_bytes=40)  # a few parameters per bucket
+    zero = ZeroDataParallel(get_accelerator(), mesh, stage, bucket_bytes=40)  # a few parameters per bucket
     model = zero.parallelize(_toy(0))
     zero.build_optimizer(model, cfg)
     assert len(zero.buckets) >= 3
@@ -91,13 +92,13 @@ def _run(rank: int, world_size: int, stage: int, ckpt_dir: Path) -> None:
         assert plain_opt.state[p]["step"].item() == STEPS
 
     # And a fresh ZeRO run loads it back (the other direction), as does load_state_dict from another instance.
-    again = ZeroDataParallel(mesh, stage, bucket_bytes=1 << 20)  # other buckets: state is keyed by name
+    again = ZeroDataParallel(get_accelerator(), mesh, stage, bucket_bytes=1 << 20)  # other buckets: state is keyed by name
     again_model = again.parallelize(_toy(9))
     again.build_optimizer(again_model, cfg)
     sd = again.state_dict()
     dcp.load(sd, checkpoint_id=str(ckpt_dir))
     again.load_state_dict(sd)
-    copied = ZeroDataParallel(mesh, stage, bucket_bytes=40)
+    copied = ZeroDataParallel(get_accelerator(), mesh, stage, bucket_bytes=40)
     copied_model = copied.parallelize(_toy(11))
     copied.build_optimizer(copied_model, cfg)
     copied.load_state_dict(zero.state_dict())

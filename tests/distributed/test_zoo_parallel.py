@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from polytrain.config import ModelConfig
-from tests.multirank import run_ranks
+from tests.multirank import run_ranks, tp_parallelize
 
 pytestmark = pytest.mark.slow
 
@@ -66,9 +66,8 @@ def _compare(rank: int, world_size: int, arch: str, sp: bool, overrides: dict) -
     ref = ARCHITECTURES[arch].build(cfg)
     init_plain(ref, 0)
     dims = ParallelDims(world_size=world_size, dp_replicate=1, dp_shard=1, zero=0, tp=world_size, sp=sp)
-    mesh = dims.build_mesh("cpu")
     model = copy.deepcopy(ref)
-    ctx = ARCHITECTURES[arch].parallelize(model, dims, mesh)
+    ctx, mesh = tp_parallelize(model, dims)
     args, targets = _inputs(cfg)
 
     ref_logits = ref(*args)
@@ -221,8 +220,7 @@ def _dropout(rank: int, world_size: int, archs: list[str]) -> None:
 
         attention.core = spy  # before parallelize, which runs it in the per-rank stream
         dims = ParallelDims(world_size=world_size, dp_replicate=1, dp_shard=1, zero=0, tp=world_size, sp=False)
-        mesh = dims.build_mesh("cpu")
-        ctx = ARCHITECTURES[arch].parallelize(model, dims, mesh)
+        ctx, mesh = tp_parallelize(model, dims)
         args, targets = _inputs(cfg)
         outs = []
         hooks = [b.register_forward_hook(lambda m, i, o, outs=outs: outs.append(o)) for b in model.layers.values()]

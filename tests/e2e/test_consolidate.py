@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from polytrain.checkpoint.consolidate import consolidate
+from polytrain.checkpoint.trainer_state import latest_checkpoint
 from polytrain.cli import main
 from polytrain.models.llama.model import Llama
-from polytrain.train.checkpoint import latest_checkpoint
-from polytrain.train.consolidate import consolidate
 from tests.conftest import tiny_overrides
 from tests.e2e.test_errors import assert_one_line_error, run_cli
 from tests.multirank import run_ranks

@@ -163,9 +163,9 @@ def test_script_matches_trainer_on_two_ranks_with_zero2(small_corpus, ds_config_
     assert results[0]["zero3"] == pytest.approx(_mlp_train(engine, 3), rel=RTOL)
 
     # The 2-rank ZeRO-2 checkpoint loads in one process and holds the Trainer's final weights.
+    from polytrain.checkpoint.trainer_state import latest_checkpoint, load_model_weights
     from polytrain.config import ModelConfig
     from polytrain.models.llama.model import Llama
-    from polytrain.train.checkpoint import latest_checkpoint, load_model_weights
 
     script = _script()
     assert (save_dir / "latest").read_text() == f"global_step{STEPS}"

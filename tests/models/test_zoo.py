@@ -7,12 +7,14 @@ import math
 import pytest
 import torch
 
-from polytrain.config import ConfigError, load_config, model_config
+from polytrain.config import load_config
+from polytrain.errors import ConfigError
 from polytrain.models import ARCHITECTURES
 from polytrain.models.common.init import init_plain
 from polytrain.models.common.kv_cache import KVCache
 from polytrain.models.common.rope import RopeScaling, inv_frequencies, rope_for_length, rope_tables
 from polytrain.models.internlm2.model import InternLM2
+from polytrain.models.registry import model_config
 from polytrain.models.t5.model import relative_position_bucket
 
 SMALL = dict(dim=32, n_layers=2, n_heads=4, ffn_dim=48, vocab_size=53, max_seq_len=40)

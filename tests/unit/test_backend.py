@@ -10,7 +10,12 @@ import torch
 
 import polytrain
 from polytrain.backend import (
-    ACCELERATORS, CPUAccelerator, CUDAAccelerator, flops, get_accelerator, gpu_peak_flops,
+    ACCELERATORS,
+    CPUAccelerator,
+    CUDAAccelerator,
+    flops,
+    get_accelerator,
+    gpu_peak_flops,
 )
 
 

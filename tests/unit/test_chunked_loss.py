@@ -111,7 +111,7 @@ def test_training_with_and_without_chunked_loss_follows_the_same_curve(model_arg
         run_dir = tmp_path / chunked
         overrides = tiny_overrides(small_corpus, run_dir, run__steps=4) + model_args
         trainer = Trainer(load_config(None, overrides + ["--train.chunked_loss", chunked]))
-        assert (trainer.loss_head is not None) == (chunked == "true")
+        assert (trainer.loss.head is not None) == (chunked == "true")
         trainer.train()
         rows[chunked] = _train_rows(run_dir)
     assert len(rows["true"]) == 4

@@ -17,6 +17,7 @@ from polytrain.distributed.pipeline.tied import COPIES, TiedEmbeddings
 from polytrain.distributed.topology import ParallelDims
 from polytrain.models.llama.model import Llama
 from polytrain.optim.clip import clip_coefficient, sharded_grad_norm
+from tests.multirank import make_runtime
 
 
 def test_norm_of_pieces_and_coefficient_match_torch():
@@ -66,7 +67,7 @@ def test_a_tied_weight_held_by_two_pipeline_stages_counts_once_in_the_norm():
     expected = torch.nn.utils.clip_grad_norm_(whole.parameters(), math.inf).item()
     strategies = []
     for stage in stages.values():
-        strategies.append(FSDP2DataParallel(ParallelDims(world_size=1, dp_replicate=1, dp_shard=1, zero=0), None))
+        strategies.append(FSDP2DataParallel(make_runtime(ParallelDims(world_size=1, dp_replicate=1, dp_shard=1, zero=0))))
         strategies[-1].parallelize(stage)
     once = sum(s.squared_norm_share(leave_out=COPIES) for s in strategies).sqrt().item()
     twice = sum(s.squared_norm_share() for s in strategies).sqrt().item()

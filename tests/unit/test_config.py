@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from polytrain.config import Config, ConfigError, field_docs, help_text, load_config, to_toml, SECTIONS
+from polytrain.config import SECTIONS, Config, help_text, load_config, to_toml
+from polytrain.config.schema import field_docs
+from polytrain.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 

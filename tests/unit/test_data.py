@@ -10,15 +10,23 @@ import numpy as np
 import pytest
 import torch
 
-from polytrain.config import ConfigError, DataConfig
+from polytrain.config import DataConfig
 from polytrain.data import (
-    Document, TokenDataset, Tokenizer, load_prepared, open_corpus, plan_split, prepare,
-    prepare_corpus, train_bpe,
+    Document,
+    TokenDataset,
+    Tokenizer,
+    load_prepared,
+    open_corpus,
+    plan_split,
+    prepare,
+    prepare_corpus,
+    train_bpe,
 )
 from polytrain.data import cache as cache_mod
 from polytrain.data import corpus as corpus_mod
 from polytrain.data.packed import token_dtype
 from polytrain.data.split import hashed_to_val, split_tokens
+from polytrain.errors import ConfigError
 
 WORDS = "alpha beta gamma delta tokens model layer loss step rank shard batch".split()
 

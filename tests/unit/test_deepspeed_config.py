@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from polytrain.config import all_keys, load_config
+from polytrain.config import load_config
+from polytrain.config.schema import all_keys
 from polytrain.deepspeed import (
     DeepSpeedConfigWarning,
     LossScaling,

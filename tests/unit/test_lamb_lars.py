@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from polytrain.config import ConfigError, load_config
+from polytrain.config import load_config
+from polytrain.errors import ConfigError
 from polytrain.optim.builder import make_optimizer, param_groups
 from polytrain.optim.lamb import Lamb
 from polytrain.optim.lars import Lars

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from polytrain.config import ModelConfig
-from polytrain.models import ARCHITECTURES, LLAMA_PRESETS
 from polytrain.models.common.init import init_plain, seed_for
 from polytrain.models.common.kv_cache import KVCache
 from polytrain.models.common.norms import RMSNorm
 from polytrain.models.common.rope import apply_rope, rope_tables
 from polytrain.models.llama.model import Llama
+from polytrain.models.registry import ARCHITECTURES, LLAMA_PRESETS
 
 SMALL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=97,
                     max_seq_len=64)

@@ -5,9 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polytrain.config import ConfigError, load_config
-from polytrain.data.objectives import MaskedLM, SpanCorruption, build_objective, reserved_ids, span_counts
+from polytrain.config import load_config
+from polytrain.data.objectives import (
+    MaskedLM,
+    SpanCorruption,
+    build_objective,
+    reserved_ids,
+    span_counts,
+)
 from polytrain.data.tokenizer import Tokenizer, train_bpe
+from polytrain.errors import ConfigError
 
 VOCAB = 500
 

@@ -5,17 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polytrain.config import ConfigError, load_config
-from polytrain.distributed.pipeline import plan_from_config, split_model
-from polytrain.distributed.topology import ParallelDims
+from polytrain.config import load_config
+from polytrain.distributed.pipeline import split_model
+from polytrain.errors import ConfigError
 from polytrain.models import ARCHITECTURES
+from polytrain.train.startup import plan_layout
 from tests.e2e.test_errors import assert_one_line_error, run_cli
 
 
 def plan(*args: str, dp: int = 1):
     cfg = load_config(None, ["--model.n_layers", "4", "--train.micro_batch_size", "2",
                              "--train.global_batch_size", "8", "--parallel.pp", "2", *args])
-    return plan_from_config(cfg, dp)
+    return plan_layout(cfg, dp * cfg.parallel.pp).pipeline
 
 
 def test_balanced_split_puts_the_extra_blocks_first_and_the_head_last():
@@ -51,7 +52,7 @@ def test_no_plan_without_pipeline():
 def test_stage_modules_keep_global_names_and_together_hold_the_model():
     cfg = load_config(None, ["--model.n_layers", "4", "--parallel.pp", "2", "--parallel.pp_schedule", "zero_bubble",
                              "--train.micro_batch_size", "2", "--train.global_batch_size", "8"])
-    p = plan_from_config(cfg, 1)
+    p = plan_layout(cfg, cfg.parallel.pp).pipeline
     with torch.device("meta"):
         model = ARCHITECTURES["llama"].build(cfg.model)
     names = {}
@@ -92,7 +93,7 @@ def test_layouts_that_cannot_work(args, message):
 def test_parallel_dims_checks_the_pipeline_at_start_up():
     cfg = load_config(None, ["--parallel.pp", "2", "--parallel.pp_split", "layers.7"])
     with pytest.raises(ConfigError, match="'layers.7' is not a module"):
-        ParallelDims.from_config(cfg, 2)
+        plan_layout(cfg, 2)
 
 
 def test_the_command_line_says_it_in_one_line_before_starting_workers(capsys):

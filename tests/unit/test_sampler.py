@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from polytrain.config import ConfigError
 from polytrain.data import GlobalBatchSampler, val_batches
 from polytrain.data.sampler import epoch_seed
+from polytrain.errors import ConfigError
 
 
 def stream(sampler: GlobalBatchSampler, steps: int) -> list[int]:

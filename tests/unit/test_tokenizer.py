@@ -5,8 +5,8 @@ import random
 import pytest
 import tokenizers
 
-from polytrain.config import ConfigError
 from polytrain.data import EOT, Tokenizer, train_bpe
+from polytrain.errors import ConfigError
 
 WORDS = "the model trains on tokens while gradients flow back through layers of attention".split()
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from polytrain.config import ConfigError, load_config
+from polytrain.config import load_config
 from polytrain.distributed.topology import ParallelDims
+from polytrain.errors import ConfigError
+from polytrain.train.startup import plan_layout
 
 
 def dims(world: int, *args: str) -> ParallelDims:
-    return ParallelDims.from_config(load_config(None, ["--train.micro_batch_size", "4", *args]), world)
+    return plan_layout(load_config(None, ["--train.micro_batch_size", "4", *args]), world).dims
 
 
 def test_dp_defaults_to_the_whole_world():
@@ -30,7 +32,7 @@ def test_zero12_shards_over_all_dp(stage):
 
 def test_grad_accumulation_fills_the_global_batch():
     cfg = load_config(None, ["--train.global_batch_size", "32", "--train.micro_batch_size", "4"])
-    assert ParallelDims.from_config(cfg, 2).grad_accum_steps(cfg) == 4
+    assert plan_layout(cfg, 2).batch.accum_steps == 4
 
 
 @pytest.mark.parametrize("world, args, message", [

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from polytrain.config import ConfigError, load_config
+from polytrain.config import load_config
 from polytrain.distributed.tensor_parallel.checks import valid_tp_degrees
 from polytrain.distributed.topology import ParallelDims
+from polytrain.errors import ConfigError
+from polytrain.train.startup import plan_layout
 
 
 def dims(world: int, *args: str) -> ParallelDims:
-    return ParallelDims.from_config(load_config(None, ["--train.micro_batch_size", "4", *args]), world)
+    return plan_layout(load_config(None, ["--train.micro_batch_size", "4", *args]), world).dims
 
 
 @pytest.mark.parametrize("world, args, message", [

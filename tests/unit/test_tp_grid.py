@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from polytrain.distributed.tensor_parallel.grid import grid_axes, grid_side, grid_sizes
+from polytrain.distributed.grid_shape import grid_axes, grid_side, grid_sizes
 from tests.unit.test_tp_checks import dims
 
 

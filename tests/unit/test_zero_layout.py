@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from polytrain.distributed.zero import join_pieces, split_into_pieces, plan_buckets, shard_rows
+from polytrain.distributed.zero import join_pieces, plan_buckets, shard_rows, split_into_pieces
 
 
 @pytest.mark.parametrize("d0", [1, 3, 5, 8, 13])

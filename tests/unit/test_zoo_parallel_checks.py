@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polytrain.config import ConfigError, load_config
-from polytrain.distributed.pipeline import plan_from_config, split_model
+from polytrain.config import load_config
+from polytrain.distributed.pipeline import split_model
 from polytrain.distributed.tensor_parallel.checks import valid_tp_degrees
-from polytrain.distributed.topology import ParallelDims
+from polytrain.errors import ConfigError
 from polytrain.models import ARCHITECTURES
+from polytrain.train.startup import plan_layout
 
 
 def config(arch: str, *args: str):
@@ -20,7 +21,7 @@ def config(arch: str, *args: str):
 
 def test_gpt2_first_stage_holds_both_embeddings_and_the_last_its_own_tied_head():
     cfg = config("gpt2", "--parallel.pp", "2")  # tied embeddings, gpt2's default
-    p = plan_from_config(cfg, 1)
+    p = plan_layout(cfg, cfg.parallel.pp).pipeline
     assert p.stages == (("tok_embeddings", "pos_embeddings", "layers.0", "layers.1"),
                         ("layers.2", "layers.3", "norm", "output"))
     with torch.device("meta"):
@@ -42,7 +43,7 @@ def test_gpt2_first_stage_holds_both_embeddings_and_the_last_its_own_tied_head()
 ])
 def test_pipelines_the_zoo_cannot_run(arch, args, message):
     with pytest.raises(ConfigError) as err:
-        plan_from_config(config(arch, *args), 1)
+        plan_layout(config(arch, *args), 2)
     assert message in str(err.value)
 
 
@@ -53,12 +54,12 @@ def test_pipelines_the_zoo_cannot_run(arch, args, message):
       "with its query heads, which then cannot be split); tp values that fit this model: 1, 2")),
     # T5's span corruption of 32 tokens: encoder 29, decoder 8 tokens; SP needs both even.
     ("t5", 2, ["--parallel.tp", "2", "--parallel.sp", "true", "--data.seq_len", "32"],
-     ("parallel.sp splits the encoder's 29 and the decoder's 8 input tokens (span corruption of "
+     ("parallel.sp splits the encoder's 29 and the decoder's 8 input tokens (from "
       "data.seq_len = 32) into parallel.tp = 2 equal parts; use data.seq_len = 31, or parallel.sp = false")),
 ])
 def test_tensor_parallel_misfits_of_the_zoo(arch, world, args, message):
     with pytest.raises(ConfigError) as err:
-        ParallelDims.from_config(config(arch, *args), world)
+        plan_layout(config(arch, *args), world)
     assert str(err.value) == message
 
 
@@ -66,6 +67,6 @@ def test_llama_may_share_kv_heads_where_internlm2_may_not():
     llama = config("llama", "--model.n_heads", "8", "--model.n_kv_heads", "2", "--model.ffn_dim", "64").model
     intern = config("internlm2", "--model.n_heads", "8", "--model.n_kv_heads", "2", "--model.ffn_dim", "64").model
     assert valid_tp_degrees(llama) == [1, 2, 4, 8]
-    assert valid_tp_degrees(intern) == [1, 2]
-    assert ParallelDims.from_config(config("t5", "--parallel.tp", "2", "--parallel.sp", "true",
-                                           "--data.seq_len", "33"), 2).sp
+    assert valid_tp_degrees(intern, ARCHITECTURES["internlm2"].tp_shares_kv_heads) == [1, 2]
+    assert plan_layout(config("t5", "--parallel.tp", "2", "--parallel.sp", "true",
+                              "--data.seq_len", "33"), 2).dims.sp

@@ -76,8 +76,13 @@ class PipelinePlan:
         return [s for s in range(self.num_stages) if self.rank_of_stage(s) == rank]
 
 
-def plan_from_config(cfg: Config, dp: int) -> PipelinePlan | None:
-    """The pipeline plan for `cfg` at `dp` data-parallel ranks; None when parallel.pp = 1."""
+def plan_from_config(cfg: Config, dp: int, embedding: tuple[str, ...] = EMBEDDING_UNITS,
+                     head: tuple[str, ...] = HEAD_UNITS) -> PipelinePlan | None:
+    """The pipeline plan for `cfg` at `dp` data-parallel ranks; None when parallel.pp = 1.
+
+    `embedding` and `head`: the model's units before and after its blocks (its registry
+    entry's); the start-up check has already refused models that cannot run as pipelines.
+    """
     p, t = cfg.parallel, cfg.train
     if p.pp == 1:
         if p.pp_split:
@@ -86,16 +91,9 @@ def plan_from_config(cfg: Config, dp: int) -> PipelinePlan | None:
     if p.zero in (1, 2):
         raise ConfigError(f"parallel.zero = {p.zero} does not compose with parallel.pp > 1 yet; "
                           f"use parallel.zero = 0 (replicas) or 3 (sharded parameters)")
-    from polytrain.models import ARCHITECTURES
-
-    arch = ARCHITECTURES[cfg.model.arch]
-    if arch.kind != "decoder":
-        raise ConfigError(f"parallel.pp > 1 runs decoders only (the causal LM objective); model.arch = "
-                          f"'{cfg.model.arch}' is an {arch.kind} model: set parallel.pp = 1 and use "
-                          f"parallel.tp / parallel.dp")
     local = t.global_batch_size // (t.micro_batch_size * dp)
     return plan_pipeline(p.pp, p.pp_schedule, p.pp_virtual_stages, p.pp_split, cfg.model.n_layers,
-                         p.pp_microbatches, local, arch.embedding_units, arch.head_units)
+                         p.pp_microbatches, local, embedding, head)
 
 
 def plan_pipeline(pp: int, schedule: str, virtual_stages: int, split: str, n_layers: int,

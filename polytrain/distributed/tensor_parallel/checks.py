@@ -1,10 +1,33 @@
-"""Start-up checks for tensor/sequence parallelism: one line naming the key and the fix."""
+"""Start-up checks for tensor/sequence parallelism: one line naming the key and the fix.
+
+What the checks need to know of the architecture comes in as `SplitRules` (the start-up
+layout check, polytrain/train/startup.py, reads them from the model registry).
+"""
 
 from __future__ import annotations
 
-from polytrain.config import Config, ConfigError, ModelConfig
-from polytrain.distributed.tensor_parallel.grid import grid_side, grid_sizes
-from polytrain.models import ARCHITECTURES
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from polytrain.config import Config, ModelConfig
+from polytrain.distributed.grid_shape import grid_side, grid_sizes
+from polytrain.errors import ConfigError
+
+
+def _one_stream(seq_len: int) -> tuple[int, ...]:
+    return (seq_len,)
+
+
+@dataclass(frozen=True)
+class SplitRules:
+    """How an architecture's layers may be split (from its registry entry)."""
+
+    shares_kv_heads: bool = True
+    """tp may exceed the KV heads, each then replicated on tp / n_kv_heads ranks."""
+    grid_layers: bool = True
+    """The 2d / 2.5d / 3d grid modes have layers for every role its plan uses."""
+    stream_lengths: Callable[[int], tuple[int, ...]] = _one_stream
+    """data.seq_len -> the token counts of the streams SP splits (T5: encoder and decoder inputs)."""
 
 
 def kv_heads_split(n_kv_heads: int, tp: int, shared: bool = True) -> bool:
@@ -12,48 +35,40 @@ def kv_heads_split(n_kv_heads: int, tp: int, shared: bool = True) -> bool:
     return n_kv_heads % tp == 0 or (shared and tp % n_kv_heads == 0)
 
 
-def valid_tp_degrees(m: ModelConfig) -> list[int]:
-    """Every tp that splits this model's heads, KV heads and FFN width."""
-    shared = ARCHITECTURES[m.arch].tp_shares_kv_heads
+def valid_tp_degrees(m: ModelConfig, shared: bool = True) -> list[int]:
+    """Every tp that splits this model's heads, KV heads (`shared`: or shares them) and FFN width."""
     return [t for t in range(1, m.n_heads + 1)
             if m.n_heads % t == 0 and m.ffn_dim % t == 0 and kv_heads_split(m.n_kv_heads, t, shared)]
 
 
-def check_tensor_parallel(cfg: Config, dp: int = 1) -> None:
+def check_tensor_parallel(cfg: Config, dp: int, rules: SplitRules) -> None:
     """Fail unless parallel.tp / parallel.sp / parallel.tp_mode fit the model, the sequence, the
     ZeRO stage and (grid modes) the `dp` data-parallel ranks."""
     p, m = cfg.parallel, cfg.model
     if p.tp == 1:
         return
     if p.tp_mode != "1d":
-        check_grid(cfg, dp)
+        check_grid(cfg, dp, rules)
         return
     if p.zero in (1, 2):
         raise ConfigError(
             f"parallel.zero = {p.zero} with parallel.tp = {p.tp} is not supported yet (ZeRO-1/2 "
             f"shard replicated parameters, not tensor-parallel shards); use parallel.zero = 0 or 3")
-    arch = ARCHITECTURES[m.arch]
     problems = []
     if m.n_heads % p.tp:
         problems.append(f"model.n_heads = {m.n_heads}")
-    if not kv_heads_split(m.n_kv_heads, p.tp, arch.tp_shares_kv_heads):
+    if not kv_heads_split(m.n_kv_heads, p.tp, rules.shares_kv_heads):
         problems.append(f"model.n_kv_heads = {m.n_kv_heads} (tp must divide it" + (
-            " or be a multiple of it)" if arch.tp_shares_kv_heads else
+            " or be a multiple of it)" if rules.shares_kv_heads else
             f": {m.arch} packs each KV head with its query heads, which then cannot be split)"))
     if m.ffn_dim % p.tp:
         problems.append(f"model.ffn_dim = {m.ffn_dim}")
     if problems:
-        valid = ", ".join(map(str, valid_tp_degrees(m)))
+        valid = ", ".join(map(str, valid_tp_degrees(m, rules.shares_kv_heads)))
         raise ConfigError(f"parallel.tp = {p.tp} does not split {' and '.join(problems)}; "
                           f"tp values that fit this model: {valid}")
-    seq = cfg.data.seq_len
-    if p.sp and arch.kind == "encoder-decoder":
-        _check_span_lengths(cfg)
-    elif p.sp and seq % p.tp:
-        raise ConfigError(
-            f"parallel.sp splits each sequence into parallel.tp = {p.tp} equal parts, but "
-            f"data.seq_len = {seq} is not a multiple of {p.tp}; use data.seq_len = "
-            f"{seq // p.tp * p.tp or p.tp} or {(seq // p.tp + 1) * p.tp}, or parallel.sp = false")
+    if p.sp:
+        _check_stream_lengths(cfg, rules.stream_lengths)
 
 
 def grid_splits(m: ModelConfig, mode: str, q: int) -> dict[str, tuple[int, int]]:
@@ -70,10 +85,10 @@ def grid_splits(m: ModelConfig, mode: str, q: int) -> dict[str, tuple[int, int]]
             "model.ffn_dim": (m.ffn_dim, out), "model.vocab_size": (m.vocab_size, out)}
 
 
-def check_grid(cfg: Config, dp: int) -> None:
+def check_grid(cfg: Config, dp: int, rules: SplitRules) -> None:
     """Fail unless parallel.tp is a grid of parallel.tp_mode that fits the model, batch and layout."""
     p, m, mode = cfg.parallel, cfg.model, cfg.parallel.tp_mode
-    if m.arch != "llama":
+    if not rules.grid_layers:
         # The grid layers implement the roles a Llama plan uses; the other architectures'
         # extra roles (biases, position tables, packed wqkv, cross-attention) are 1d only.
         raise ConfigError(f"parallel.tp_mode = '{mode}' has layers for model.arch = 'llama' only; "
@@ -110,22 +125,21 @@ def check_grid(cfg: Config, dp: int) -> None:
                           f"use {(batch // parts + 1) * parts}")
 
 
-def _span_lengths(cfg: Config, seq_len: int) -> tuple[int, int]:
-    """(encoder, decoder) input lengths of T5's span corruption of `seq_len`-token windows."""
-    from polytrain.data.objectives import span_counts
-
-    noise, spans = span_counts(seq_len, cfg.data.mask_fraction, cfg.data.mean_span_length)
-    return seq_len - noise + spans, noise + spans + 1
-
-
-def _check_span_lengths(cfg: Config) -> None:
-    """SP splits both of an encoder-decoder's streams: each input length must be a multiple of tp."""
+def _check_stream_lengths(cfg: Config, stream_lengths: Callable[[int], tuple[int, ...]]) -> None:
+    """SP splits every token stream (T5: the encoder's and the decoder's) into tp equal parts."""
     tp, seq = cfg.parallel.tp, cfg.data.seq_len
-    enc, dec = _span_lengths(cfg, seq)
-    if enc % tp or dec % tp:
-        fits = [n for n in range(max(seq - 8 * tp, 2), seq + 8 * tp + 1) if not any(
-            length % tp for length in _span_lengths(cfg, n))]
-        hint = f"use data.seq_len = {min(fits, key=lambda n: abs(n - seq))}" if fits else "set parallel.sp = false"
+    lengths = stream_lengths(seq)
+    if not any(n % tp for n in lengths):
+        return
+    if len(lengths) == 1:
         raise ConfigError(
-            f"parallel.sp splits the encoder's {enc} and the decoder's {dec} input tokens (span corruption "
-            f"of data.seq_len = {seq}) into parallel.tp = {tp} equal parts; {hint}, or parallel.sp = false")
+            f"parallel.sp splits each sequence into parallel.tp = {tp} equal parts, but "
+            f"data.seq_len = {seq} is not a multiple of {tp}; use data.seq_len = "
+            f"{seq // tp * tp or tp} or {(seq // tp + 1) * tp}, or parallel.sp = false")
+    fits = [n for n in range(max(seq - 8 * tp, 2), seq + 8 * tp + 1)
+            if not any(length % tp for length in stream_lengths(n))]
+    hint = f"use data.seq_len = {min(fits, key=lambda n: abs(n - seq))}" if fits else "set parallel.sp = false"
+    enc, dec = lengths
+    raise ConfigError(
+        f"parallel.sp splits the encoder's {enc} and the decoder's {dec} input tokens (from "
+        f"data.seq_len = {seq}) into parallel.tp = {tp} equal parts; {hint}, or parallel.sp = false")

@@ -7,7 +7,6 @@ between the tensor-parallel regions is split along T (SEQ_DIM): (B, T/tp, D) per
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ContextManager
@@ -25,25 +24,9 @@ from polytrain.distributed.collectives import (
     reduce_scatter_to_sp,
 )
 from polytrain.distributed.rng import DropoutRNG
+from polytrain.distributed.tensor_parallel.cross_entropy import vocab_parallel_loss
 
 SEQ_DIM = 1
-
-
-def shard_range(total: int, n: int, rank: int) -> tuple[int, int]:
-    """[start, end) of `rank`'s part of `total` rows split like torch.chunk / DTensor Shard.
-
-    Parts are ceil(total / n) rows, the last ones smaller or empty: e.g. a vocabulary of
-    10 over 4 ranks is 3, 3, 3, 1. Uneven parts keep the global shape, and so the
-    checkpoint, the same as on one device (no padding rows).
-    """
-    chunk = math.ceil(total / n)
-    start = min(rank * chunk, total)
-    return start, min(start + chunk, total)
-
-
-def shard_sizes(total: int, n: int) -> list[int]:
-    """Rows each of `n` ranks holds (see shard_range)."""
-    return [end - start for start, end in (shard_range(total, n, r) for r in range(n))]
 
 
 @dataclass
@@ -95,10 +78,6 @@ class TPContext:
 
     def loss_fn(self, vocab_size: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """The trainer's loss on the head's vocabulary-split logits (B, T, V/tp); equal on every rank."""
-        from polytrain.distributed.tensor_parallel.cross_entropy import (
-            vocab_parallel_loss,  # it imports this module
-        )
-
         return vocab_parallel_loss(self.mesh, vocab_size)
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:

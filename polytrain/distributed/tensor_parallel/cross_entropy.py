@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from polytrain.distributed.collectives import all_reduce
-from polytrain.distributed.tensor_parallel.context import shard_range
+from polytrain.distributed.tensor_parallel.shards import shard_range
 
 IGNORE = -100
 

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
 from polytrain.distributed.collectives import copy_to_tp, gather_from_tp
-from polytrain.distributed.tensor_parallel.context import TPContext, shard_range, shard_sizes
+from polytrain.distributed.tensor_parallel.context import TPContext
+from polytrain.distributed.tensor_parallel.shards import shard_range, shard_sizes
 
 
 class ColumnParallelLinear(nn.Module):
@@ -243,8 +244,15 @@ def region(module: nn.Module, ctx: TPContext, sharded_methods: tuple[str, ...] =
     return module
 
 
-def root(module: nn.Module, ctx: TPContext, cache_argument: str = "cache") -> nn.Module:
-    """Per forward: decoding with a KV cache turns SP off and gathers full logits; dropout streams."""
+def root(module: nn.Module, ctx: TPContext, cache_argument: str = "cache",
+         attention_inputs: str = "") -> nn.Module:
+    """Per forward: decoding with a KV cache turns SP off and gathers full logits; dropout streams.
+
+    `attention_inputs` (the Root role's): the model's method that builds RoPE tables and masks
+    from a sequence length. On a pipeline stage without the embedding under SP the stage's
+    input is this rank's (B, T/tp, D) slice while attention runs on all T tokens, so that
+    method is asked for T/tp x tp positions.
+    """
     inner = module.forward
     signature = inspect.signature(inner)
 
@@ -258,7 +266,18 @@ def root(module: nn.Module, ctx: TPContext, cache_argument: str = "cache") -> nn
             ctx.sp_active, ctx.full_logits = ctx.sp, False
 
     module.forward = forward
+    if attention_inputs and ctx.sp and getattr(module, "tok_embeddings", None) is None:
+        _inputs_for_whole_sequence(module, attention_inputs, ctx)
     return module
+
+
+def _inputs_for_whole_sequence(module: nn.Module, method: str, ctx: TPContext) -> None:
+    inner = getattr(module, method)
+
+    def whole(seqlen: int, *args, **kwargs):
+        return inner(seqlen * ctx.size if ctx.sp_active else seqlen, *args, **kwargs)
+
+    setattr(module, method, whole)
 
 
 def _under(fn: Callable, context: Callable) -> Callable:

@@ -1,22 +1,11 @@
-"""Declarative tensor-parallel plans: module-name patterns -> the role each module plays.
+"""Applying a tensor-parallel plan: each role's implementation in each mode.
 
-A model's plan names roles, not layer classes (polytrain/models/llama/parallelize.py):
-
-    {"": Root(),
-     "tok_embeddings": VocabEmbedding(),
-     "layers.*.attention_norm": Norm(),
-     "layers.*.attention": Region(sharded_methods=("core",)),
-     "layers.*.attention.wq": Column(unit=head_dim),
-     "layers.*.attention.wo": Row(), ...
-     "output": VocabHead()}
-
-`parallelize_tp(model, plan, mesh, sp, mode)` applies it from outside: the mode ("1d",
-Megatron's, in one_d.py; "2d" / "2.5d" in summa.py; "3d" in three_d.py) supplies each
-role's implementation, which replaces the matching module or rewires it in place,
-keeping every module and parameter name.
-Patterns are dot-separated names where "*" matches one component and "" is the model
-itself. A pattern may match nothing: a pipeline stage holds only some layers, and may
-have no embedding, final norm or head.
+A model's plan is data (polytrain/models/common/plan.py's roles, one table per
+architecture in polytrain/models/<arch>/plan.py). `parallelize_tp(model, plan, mesh, sp,
+mode)` applies it from outside: the mode ("1d", Megatron's, in one_d.py; "2d" / "2.5d" in
+summa.py; "3d" in three_d.py) supplies each role's implementation, which replaces the
+matching module or rewires it in place, keeping every module and parameter name. A
+pattern may match nothing: a pipeline stage may have no embedding, final norm or head.
 
 The data flow the roles assume (batch-first activations; T/tp only under SP):
 
@@ -38,7 +27,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -47,93 +35,8 @@ from polytrain.distributed.rng import DropoutRNG
 from polytrain.distributed.tensor_parallel import one_d, summa, three_d
 from polytrain.distributed.tensor_parallel.context import TPContext
 from polytrain.distributed.tensor_parallel.grid import Grid
+from polytrain.models.common.plan import Plan, Style
 
-
-@dataclass(frozen=True)
-class Style:
-    role: ClassVar[str]
-
-
-@dataclass(frozen=True)
-class Root(Style):
-    """The model (or stage) itself: per-forward switches; `cache_argument` names the KV cache."""
-
-    role: ClassVar[str] = "root"
-    cache_argument: str = "cache"
-
-
-@dataclass(frozen=True)
-class VocabEmbedding(Style):
-    """Token embedding, rows split by vocabulary."""
-
-    role: ClassVar[str] = "vocab_embedding"
-
-
-@dataclass(frozen=True)
-class Norm(Style):
-    """Replicated weights on the residual stream; runs on sequence shards under SP."""
-
-    role: ClassVar[str] = "norm"
-
-
-@dataclass(frozen=True)
-class ResidualTable(Style):
-    """Replicated lookup table added to the residual stream per token (learned positions,
-    segments); under SP each rank keeps its own tokens' rows."""
-
-    role: ClassVar[str] = "residual_table"
-
-
-@dataclass(frozen=True)
-class ColumnTable(Style):
-    """Lookup table with its columns split (a per-head bias table, split like the heads)."""
-
-    role: ClassVar[str] = "column_table"
-
-
-@dataclass(frozen=True)
-class Region(Style):
-    """A module whose input enters the tensor-parallel region (attention, MLP).
-
-    `sharded_methods`: its methods that compute on this rank's shard only (e.g. the
-    attention core on local heads), whose dropout must differ across ranks. `inputs`:
-    how many leading positional arguments enter (2 for cross-attention's memory).
-    """
-
-    role: ClassVar[str] = "region"
-    sharded_methods: tuple[str, ...] = ()
-    inputs: int = 1
-
-
-@dataclass(frozen=True)
-class Column(Style):
-    """Linear layer with its output features split.
-
-    `unit`: features that must stay together (a head's head_dim). `shared_units`: when
-    tp exceeds the number of units, each unit is replicated on tp / units consecutive
-    ranks (KV heads of grouped-query attention).
-    """
-
-    role: ClassVar[str] = "column"
-    unit: int = 1
-    shared_units: bool = False
-
-
-@dataclass(frozen=True)
-class Row(Style):
-    """Linear layer with its input features split; its output leaves the region."""
-
-    role: ClassVar[str] = "row"
-
-
-@dataclass(frozen=True)
-class VocabHead(Style):
-    """Output projection, rows (and bias) split by vocabulary; logits stay split for the loss."""
-
-    role: ClassVar[str] = "vocab_head"
-
-
-Plan = dict[str, Style]
 Context = TPContext | Grid
 Implementation = Callable[[nn.Module, Style, Context], nn.Module]
 
@@ -155,7 +58,7 @@ def _grid(mode: str, layout) -> Callable[[DeviceMesh, bool, DropoutRNG | None], 
 
 
 ONE_D: dict[str, Implementation] = {
-    "root": lambda m, s, ctx: one_d.root(m, ctx, s.cache_argument),
+    "root": lambda m, s, ctx: one_d.root(m, ctx, s.cache_argument, s.attention_inputs),
     "vocab_embedding": lambda m, s, ctx: one_d.VocabParallelEmbedding(m, ctx),
     "norm": lambda m, s, ctx: one_d.norm(m, ctx),
     "residual_table": lambda m, s, ctx: one_d.residual_table(m, ctx),

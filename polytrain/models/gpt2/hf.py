@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from polytrain.config import ModelConfig, model_config
-from polytrain.convert.hf_files import Converted, Reader
+from polytrain.config import ModelConfig
 from polytrain.errors import ConfigError
+from polytrain.io.hf_files import Converted, Reader
+from polytrain.models.registry import model_config
 
 ARCHITECTURE = "GPT2LMHeadModel"
 PREFIXES = ("transformer.", "")  # GPT2LMHeadModel / GPT2Model checkpoints

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from polytrain.config import ModelConfig, model_config
-from polytrain.convert.hf_files import Converted, Reader
+from polytrain.config import ModelConfig
 from polytrain.errors import ConfigError
+from polytrain.io.hf_files import Converted, Reader
 from polytrain.models.llama.hf import ACTIVATIONS, rope_from_hf
+from polytrain.models.registry import model_config
 
 ARCHITECTURE = "InternLM2ForCausalLM"
 PREFIXES = ("model.", "")

@@ -99,15 +99,15 @@ class Llama(ModelBase):
         h = tokens  # a stage without the embedding receives hidden states (B, T, dim)
         if self.tok_embeddings is not None:
             h = self.dropout(self.tok_embeddings(tokens))  # (B, T, dim)
-        rope_cos, rope_sin, mask = self._attention_inputs(T, cache, start_pos, h.device, positions, documents)
+        rope_cos, rope_sin, mask = self.attention_inputs(T, cache, start_pos, h.device, positions, documents)
         for layer in self.layers.values():
             h = layer(h, rope_cos, rope_sin, cache, start_pos, mask)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
 
-    def _attention_inputs(self, seqlen: int, cache: KVCache | None, start_pos: int, device: torch.device,
-                          positions: torch.Tensor | None = None, documents: torch.Tensor | None = None):
+    def attention_inputs(self, seqlen: int, cache: KVCache | None, start_pos: int, device: torch.device,
+                         positions: torch.Tensor | None = None, documents: torch.Tensor | None = None):
         """RoPE cos/sin, (T, D/2) or per-row (B, T, D/2), and the attention mask (None = causal)."""
         mask = attention_mask(seqlen, cache, start_pos, documents, device)
         if positions is None and cache is not None:

@@ -1,6 +1,6 @@
 """How a T5 is split for tensor and sequence parallelism.
 
-The only t5 file that knows about parallelism. Self- and cross-attention are split by
+Data only: polytrain.distributed applies it. Self- and cross-attention are split by
 heads (wq/wk/wv columns, wo a row) and so are the relative-position bias tables
 (buckets, heads): each rank looks up the biases of its own heads. Cross-attention's
 memory (the encoder's output, replicated, or this rank's tokens under SP) enters the
@@ -17,20 +17,17 @@ decoder input lengths must be multiples of tp (checked at start-up).
 from __future__ import annotations
 
 from polytrain.config import ModelConfig
-from polytrain.distributed.tensor_parallel import (
+from polytrain.models.common.base import head_dim
+from polytrain.models.common.plan import (
     ColumnTable,
     Norm,
     Plan,
     Root,
     VocabEmbedding,
     VocabHead,
-)
-from polytrain.distributed.tensor_parallel.apply import (
     attention_roles,
     feed_forward_roles,
-    parallelizer,
 )
-from polytrain.models.common.base import head_dim
 
 
 def tp_plan(cfg: ModelConfig) -> Plan:
@@ -51,5 +48,3 @@ def tp_plan(cfg: ModelConfig) -> Plan:
         "output": VocabHead(),
     }
 
-
-parallelize = parallelizer(tp_plan)

@@ -17,7 +17,6 @@ the largest tensor (DCP's read buffer and the tensor), whatever the model's size
 from __future__ import annotations
 
 import json
-import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,8 +26,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from polytrain.checkpoint.trainer_state import STATE_FILE, check_checkpoint
 from polytrain.errors import CheckpointError, ConfigError
-from polytrain.train.checkpoint import STATE_FILE, check_checkpoint
+from polytrain.io.atomic import atomic_path
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FORMATS = ("safetensors", "pt")
@@ -86,19 +86,11 @@ def consolidate(checkpoint_dir: str | Path, out: str | Path, dtype: torch.dtype 
     state = json.loads((path / STATE_FILE).read_text())
     metadata = {"format": "pt", "source": "polytrain", "step": str(state["step"]),
                 "model_config": json.dumps(state["model_config"], sort_keys=True)}
-    tmp = out.with_name(f".{out.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            if fmt == "safetensors":
-                _write_safetensors(f, reader, entries, dtype, metadata)
-            else:
-                torch.save(dict(_load_each(reader, entries, dtype)), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_path(out) as tmp, open(tmp, "wb") as f:
+        if fmt == "safetensors":
+            _write_safetensors(f, reader, entries, dtype, metadata)
+        else:
+            torch.save(dict(_load_each(reader, entries, dtype)), f)
     return out
 
 

@@ -1,6 +1,6 @@
 """How a GPT-2 (or a pipeline stage of one) is split for tensor and sequence parallelism.
 
-The only gpt2 file that knows about parallelism. As Llama's plan, with biases: q/k/v
+Data only: polytrain.distributed applies it. As Llama's plan, with biases: q/k/v
 and the MLP's up projection are columns whose biases split with their output features;
 wo and the down projection are rows whose (replicated) bias is added once, after the
 partial sums are reduced. LayerNorms (gain and bias) stay replicated and run on this
@@ -12,20 +12,17 @@ table (tied).
 from __future__ import annotations
 
 from polytrain.config import ModelConfig
-from polytrain.distributed.tensor_parallel import (
+from polytrain.models.common.base import head_dim
+from polytrain.models.common.plan import (
     Norm,
     Plan,
     ResidualTable,
     Root,
     VocabEmbedding,
     VocabHead,
-)
-from polytrain.distributed.tensor_parallel.apply import (
     attention_roles,
     feed_forward_roles,
-    parallelizer,
 )
-from polytrain.models.common.base import head_dim
 
 
 def tp_plan(cfg: ModelConfig) -> Plan:
@@ -42,5 +39,3 @@ def tp_plan(cfg: ModelConfig) -> Plan:
         "output": VocabHead(),
     }
 
-
-parallelize = parallelizer(tp_plan)

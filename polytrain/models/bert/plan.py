@@ -1,6 +1,6 @@
 """How a BERT is split for tensor and sequence parallelism.
 
-The only bert file that knows about parallelism. Attention by heads and the GELU
+Data only: polytrain.distributed applies it. Attention by heads and the GELU
 feed-forward by hidden features, their biases split with columns or added once after a
 row's reduce; the post-norm LayerNorms stay replicated (under SP they run on this
 rank's tokens). The token table is split by vocabulary; the position and token-type
@@ -17,20 +17,17 @@ stay split for the vocabulary-parallel loss.
 from __future__ import annotations
 
 from polytrain.config import ModelConfig
-from polytrain.distributed.tensor_parallel import (
+from polytrain.models.common.base import head_dim
+from polytrain.models.common.plan import (
     Norm,
     Plan,
     ResidualTable,
     Root,
     VocabEmbedding,
     VocabHead,
-)
-from polytrain.distributed.tensor_parallel.apply import (
     attention_roles,
     feed_forward_roles,
-    parallelizer,
 )
-from polytrain.models.common.base import head_dim
 
 
 def tp_plan(cfg: ModelConfig) -> Plan:
@@ -50,5 +47,3 @@ def tp_plan(cfg: ModelConfig) -> Plan:
         "output": VocabHead(),
     }
 
-
-parallelize = parallelizer(tp_plan)

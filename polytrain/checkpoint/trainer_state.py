@@ -5,11 +5,12 @@
         rng/rank_<r>.pt                # each rank's RNG states
         trainer.json                   # step (which fixes the lr schedule), sampler position, model config
 
-A checkpoint is written into `.tmp-step_<N>/` and renamed once every rank has
-finished, with trainer.json written last; a crash while saving leaves only a
-`.tmp-` directory, which is ignored and cleared, so the previous checkpoint stays
-the newest complete one. DCP stores every tensor by name with its global shape,
-so a checkpoint written at one data-parallel / ZeRO layout loads at any other.
+A checkpoint is written by `write_checkpoint_dir` (directory.py): into `.tmp-step_<N>/`,
+synced to disk and renamed once every rank has finished, with trainer.json written last;
+a crash or a failure while saving leaves only a `.tmp-` directory, which is ignored and
+cleared, so the previous checkpoint stays the newest complete one. DCP stores every
+tensor by name with its global shape, so a checkpoint written at one data-parallel /
+ZeRO layout loads at any other.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import re
 import shutil
 import signal
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.stateful import Stateful
 
+from polytrain.checkpoint.directory import TMP_PREFIX, torch_bytes, write_checkpoint_dir
+from polytrain.checkpoint.run_dir import RunDir
 from polytrain.errors import CheckpointError
 
 FORMAT = "polytrain-checkpoint-1"
@@ -56,7 +59,7 @@ class TrainerState:
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return RunDir(run_dir).checkpoints
 
 
 def is_complete(path: Path) -> bool:
@@ -104,13 +107,12 @@ def check_checkpoint(path: Path) -> None:
             raise CheckpointError(f"checkpoint {path} is damaged: {name} is {what}; resume from an earlier one")
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _json_bytes(state: TrainerState) -> bytes:
+    return json.dumps({"format": FORMAT, **asdict(state)}, indent=1).encode()
 
 
 class Checkpointer:
@@ -124,34 +126,26 @@ class Checkpointer:
     def clear_partial(self) -> None:
         """Remove directories left by saves that never finished (rank 0, at start-up)."""
         if _rank() == 0 and self.root.is_dir():
-            for p in self.root.glob(".tmp-step_*"):
+            for p in self.root.glob(TMP_PREFIX + "step_*"):
                 shutil.rmtree(p, ignore_errors=True)
-        _barrier()
+        if dist.is_initialized():
+            dist.barrier()
 
     def save(self, tensors: Stateful, state: TrainerState) -> Path:
         """Write `tensors.state_dict()` ({"model", "optim"}: the data-parallel strategy's) and `state`."""
-        final = self.root / f"step_{state.step}"
-        tmp = self.root / f".tmp-step_{state.step}"
         rank = _rank()
+
+        def rank_files() -> dict[str, bytes]:
+            if os.environ.get(_KILL_DURING_SAVE_ENV) == str(state.step):
+                os.kill(os.getpid(), signal.SIGKILL)  # the test's power cut: shards written, the rest not
+            return {f"rng/rank_{rank}.pt": torch_bytes(self._rng_state())}
+
+        final = write_checkpoint_dir(self.root / f"step_{state.step}", tensors.state_dict(),
+                                     rank_files=rank_files, main_files=lambda: {STATE_FILE: _json_bytes(state)})
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        _barrier()
-        dcp.save(tensors.state_dict(), checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
-        (tmp / "rng").mkdir(exist_ok=True)
-        torch.save(self._rng_state(), tmp / "rng" / f"rank_{rank}.pt")
-        if os.environ.get(_KILL_DURING_SAVE_ENV) == str(state.step):
-            os.kill(os.getpid(), signal.SIGKILL)
-        _barrier()
-        if rank == 0:
-            record = {"format": FORMAT, **state.__dict__}
-            (tmp / (STATE_FILE + ".tmp")).write_text(json.dumps(record, indent=1))
-            os.replace(tmp / (STATE_FILE + ".tmp"), tmp / STATE_FILE)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
             self._prune()
-        _barrier()
+        if dist.is_initialized():
+            dist.barrier()
         return final
 
     def _prune(self) -> None:
@@ -200,18 +194,9 @@ def save_weights(path: Path, model_state: dict[str, torch.Tensor], model_config:
     any checkpoint, and training started from it (checkpoint.resume) takes the weights and
     begins at step 0 with a fresh optimizer, at any parallel layout.
     """
-    path = Path(path)
-    tmp = path.with_name(f".tmp-{path.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    dcp.save({"model": model_state}, checkpoint_id=str(tmp), no_dist=True)
     state = TrainerState(step=0, sampler={}, optimizer="none", model_config=model_config, world_size=1,
                          weights_only=True)
-    (tmp / STATE_FILE).write_text(json.dumps({"format": FORMAT, **state.__dict__}, indent=1))
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
-    return path
+    return write_checkpoint_dir(Path(path), {"model": model_state}, main_files=lambda: {STATE_FILE: _json_bytes(state)})
 
 
 def load_model_weights(path: Path, model: nn.Module) -> None:

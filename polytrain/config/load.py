@@ -1,0 +1,239 @@
+"""Loading the config tree: dataclass defaults < TOML file < `--section.key value` overrides.
+
+Mistakes fail at start-up with one line that names the key and the fix:
+
+    >>> load_config(None, ["--train.lrr", "1e-3"])
+    ConfigError: unknown key 'train.lrr'; did you mean 'train.lr'?
+
+The loader records which keys the file and the overrides set (`Config.set_keys`), then asks
+the model registry to fill in what the architecture decides (its defaults for keys nobody
+set, the size preset) and to check the model fields; that one look-up is the only thing
+here that knows models exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from polytrain.config.schema import SECTIONS, Config, TrainConfig, all_keys, field_docs
+from polytrain.errors import ConfigError
+
+
+def _unknown(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else "; see `polytrain train --help` for all keys"
+    return ConfigError(f"unknown key '{key}'{hint}")
+
+
+def _coerce(key: str, value: Any, want: type, from_text: bool) -> Any:
+    """Turn a TOML value or command-line string into the field's type, or fail naming the key."""
+    if from_text:
+        if want is bool:
+            if value in ("true", "false"):
+                return value == "true"
+        elif want is int:
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        elif want is float:
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        else:
+            return value
+    else:
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if type(value) is want:
+            return value
+    example = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[want]
+    raise ConfigError(f"{key} = {value!r} is not {example}")
+
+
+def set_value(cfg: Config, key: str, value: Any, from_text: bool) -> None:
+    """Set `section.key` on `cfg` from a TOML value or (`from_text`) a command-line string."""
+    section, _, name = key.partition(".")
+    if section not in SECTIONS or not name:
+        raise _unknown(key)
+    section_obj = getattr(cfg, section)
+    by_name = {f.name: f for f in fields(section_obj)}
+    if name not in by_name:
+        raise _unknown(key)
+    f = by_name[name]
+    want = type(f.default) if f.default is not dataclasses.MISSING else str
+    value = _coerce(key, value, want, from_text)
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{key} = {value!r} is not one of {', '.join(map(repr, choices))}")
+    setattr(section_obj, name, value)
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """['--train.lr', '1e-3', '--run.name=x'] -> [('train.lr', '1e-3'), ('run.name', 'x')]."""
+    pairs, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument '{arg}'; overrides look like --section.key VALUE")
+        key = arg[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"--{key} needs a value")
+            value = args[i + 1]
+            i += 2
+        pairs.append((key.replace("-", "_"), value))
+    return pairs
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A TOML file as a dict, or one ConfigError line naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a text (UTF-8) TOML file") from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, the TOML file at `path`, then `overrides`; the architecture's part; validated.
+
+    The architecture's defaults (e.g. gpt2's GELU and tied embeddings) apply to the keys
+    the file and the command line leave unset, so the user's values always win.
+    """
+    data = read_toml(path) if path is not None else {}
+    cfg = Config()
+    set_keys = []
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise _unknown(section)
+        for name, value in values.items():
+            set_value(cfg, f"{section}.{name}", value, from_text=False)
+            set_keys.append(f"{section}.{name}")
+    for key, value in parse_overrides(overrides or []):
+        set_value(cfg, key, value, from_text=True)
+        set_keys.append(key)
+    cfg.set_keys = frozenset(set_keys)
+    from polytrain.models.registry import (  # the one look-up: see above
+        apply_defaults,
+        resolve_model,
+    )
+
+    apply_defaults(cfg)
+    resolve_model(cfg)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Checks of the values themselves, needing neither the model nor the world size.
+
+    The model registry checks the model fields; the start-up layout check (train/startup.py)
+    checks everything that depends on the world size.
+    """
+    m, t, r = cfg.model, cfg.train, cfg.run
+    positive = {
+        "run.steps": r.steps, "run.log_every": r.log_every, "data.seq_len": cfg.data.seq_len,
+        "train.micro_batch_size": t.micro_batch_size, "train.global_batch_size": t.global_batch_size,
+        "parallel.nproc": cfg.parallel.nproc,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} = {value} must be positive")
+    if cfg.data.seq_len > m.max_seq_len:
+        raise ConfigError(f"data.seq_len = {cfg.data.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
+    if t.global_batch_size % t.micro_batch_size:
+        raise ConfigError(
+            f"train.global_batch_size = {t.global_batch_size} must be a multiple of "
+            f"train.micro_batch_size = {t.micro_batch_size}; try {_nearest_multiple(t.global_batch_size, t.micro_batch_size)}"
+        )
+    if not 0 < cfg.data.mask_fraction < 1 or cfg.data.mean_span_length < 1:
+        raise ConfigError(f"data.mask_fraction = {cfg.data.mask_fraction} must be in (0, 1) and "
+                          f"data.mean_span_length = {cfg.data.mean_span_length} at least 1")
+    if not 0 < cfg.data.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction = {cfg.data.val_fraction} must be in (0, 1): validation needs data")
+    if t.lr_schedule == "cosine" and t.warmup_type != "linear":
+        raise ConfigError("train.warmup_type = 'log' needs a ds_* train.lr_schedule; cosine warms up linearly")
+    if t.precision == "fp16" and (t.initial_scale_power < 0 or t.loss_scale < 0 or t.hysteresis < 1
+                                  or t.loss_scale_window < 1 or t.min_loss_scale <= 0):
+        raise ConfigError("fp16 loss scaling needs loss_scale >= 0, initial_scale_power >= 0, "
+                          "hysteresis >= 1, loss_scale_window >= 1 and min_loss_scale > 0")
+    _validate_optimizer(t)
+    if t.min_lr > t.lr:
+        raise ConfigError(f"train.min_lr = {t.min_lr} is above train.lr = {t.lr}")
+    if cfg.parallel.reduce_bucket_mb <= 0:
+        raise ConfigError(f"parallel.reduce_bucket_mb = {cfg.parallel.reduce_bucket_mb} must be positive")
+    if cfg.parallel.offload != "none" and cfg.parallel.zero not in (1, 2):
+        raise ConfigError(
+            f"parallel.offload = '{cfg.parallel.offload}' needs parallel.zero = 1 or 2, not {cfg.parallel.zero} "
+            f"(it moves ZeRO-1/2's sharded optimizer state); set parallel.zero = 2 or parallel.offload = 'none'"
+        )
+    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 0:
+        raise ConfigError("checkpoint.every and checkpoint.keep must be >= 0")
+
+
+def _validate_optimizer(t: TrainConfig) -> None:
+    """The keys the chosen optimizer reads must hold values it can step with."""
+    if t.optimizer in ("adamw", "lamb"):
+        for key in ("beta1", "beta2"):
+            if not 0 <= getattr(t, key) < 1:
+                raise ConfigError(f"train.{key} = {getattr(t, key)} must be in [0, 1) for {t.optimizer}")
+        if t.eps <= 0:
+            raise ConfigError(f"train.eps = {t.eps} must be positive for {t.optimizer}")
+    if t.optimizer in ("sgd", "lars") and not 0 <= t.momentum < 1:
+        raise ConfigError(f"train.momentum = {t.momentum} must be in [0, 1) for {t.optimizer}")
+    if t.trust_clip < 0:
+        raise ConfigError(f"train.trust_clip = {t.trust_clip} must be >= 0 (0 = unbounded trust ratio)")
+    if t.trust_clip > 0 and t.optimizer not in ("lamb", "lars"):
+        raise ConfigError(f"train.trust_clip bounds LAMB/LARS trust ratios; train.optimizer = "
+                          f"'{t.optimizer}' has none: set train.optimizer = 'lamb' or 'lars', or trust_clip = 0")
+    if t.weight_decay < 0:
+        raise ConfigError(f"train.weight_decay = {t.weight_decay} must be >= 0")
+
+
+def _nearest_multiple(value: int, unit: int) -> int:
+    return max(unit, round(value / unit) * unit)
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    """The sections as plain dicts ({"run": {...}, "model": {...}, ...})."""
+    return {name: dataclasses.asdict(getattr(cfg, name)) for name in SECTIONS}
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML that `load_config` reads back to an equal Config."""
+    lines = []
+    for section, values in to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            text = json.dumps(value) if not isinstance(value, bool) else str(value).lower()
+            lines.append(f"{key} = {text}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def help_text() -> str:
+    """All keys with their defaults and docstrings, for `polytrain train --help`."""
+    out = []
+    for section, cls in SECTIONS.items():
+        out.append(f"[{section}]")
+        docs = field_docs(cls)
+        for f in fields(cls):
+            default = getattr(cls(), f.name)
+            out.append(f"  --{section}.{f.name} {default!r:<10} {docs.get(f.name, '')}")
+    return "\n".join(out)

@@ -1,0 +1,253 @@
+"""The config tree's schema: nested dataclasses with one docstring per field.
+
+Every field carries a one-line docstring (read back for `polytrain train --help`). The
+schema knows no model and imports nothing from polytrain: the loader (load.py) reads TOML
+and overrides into it, and the model registry (polytrain/models/registry.py) fills in and
+checks what depends on the architecture.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+
+def _choices(*values: str) -> Any:
+    return field(default=values[0], metadata={"choices": values})
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"
+    """Run name; the run directory is runs/<name> unless out_dir is set."""
+    out_dir: str = ""
+    """Run directory (config.toml, metrics.jsonl, loss.png, checkpoints/); empty = runs/<name>."""
+    seed: int = 1234
+    """Seed for weights, data order and sampling; the same seed gives the same run."""
+    steps: int = 200
+    """Number of optimizer steps to train."""
+    log_every: int = 10
+    """Steps between metrics.jsonl rows and progress-bar updates."""
+    eval_every: int = 50
+    """Steps between validation-loss measurements (0 = only at the end)."""
+    eval_batches: int = 4
+    """Global batches of held-out sequences in one validation pass (the same for every layout)."""
+    sample_tokens: int = 64
+    """Tokens generated from a prompt at the end of training (0 = no sample)."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to <run dir>/tensorboard."""
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "llama"
+    """Model architecture; see polytrain.models.ARCHITECTURES."""
+    size: str = "tiny"
+    """Size preset of the architecture (llama: tiny ~3M, small ~16M, 125m, 350m, 1b, 7b; custom = none)."""
+    dim: int = 0
+    """Hidden size (0 = from the size preset)."""
+    n_layers: int = 0
+    """Number of transformer blocks (0 = from the size preset)."""
+    n_heads: int = 0
+    """Attention query heads (0 = from the size preset)."""
+    n_kv_heads: int = 0
+    """Key/value heads for grouped-query attention; divides n_heads (0 = from the size preset, else n_heads)."""
+    ffn_dim: int = 0
+    """SwiGLU hidden size (0 = from the size preset)."""
+    vocab_size: int = 0
+    """Vocabulary size; the BPE tokenizer is trained to this size (0 = from the size preset)."""
+    max_seq_len: int = 0
+    """Longest sequence RoPE tables are built for (0 = data.seq_len)."""
+    head_dim: int = 0
+    """Size of one attention head (0 = dim / n_heads; T5 and some Llamas use another)."""
+    n_decoder_layers: int = 0
+    """t5: decoder blocks (n_layers counts the encoder's; 0 = as many as the encoder)."""
+    activation: str = _choices("silu", "gelu", "gelu_tanh", "relu")
+    """Feed-forward nonlinearity: silu, gelu (erf), gelu_tanh (GPT-2's and T5's tanh approximation), relu."""
+    gated_ffn: bool = True
+    """Gated feed-forward w2(act(w1 x) * w3 x) (SwiGLU, T5 v1.1); false = w2(act(w1 x)) (GPT-2, BERT, T5 v1.0)."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    rope_scaling: str = _choices("none", "linear", "dynamic", "llama3")
+    """RoPE context extension: linear (positions / factor), dynamic (NTK, past the original length), llama3."""
+    rope_scaling_factor: float = 1.0
+    """RoPE scaling factor (e.g. 8 for Llama-3.1, 2 for InternLM2's dynamic NTK)."""
+    rope_low_freq_factor: float = 1.0
+    """llama3 scaling: wavelengths above original_len / this are divided by the factor in full."""
+    rope_high_freq_factor: float = 4.0
+    """llama3 scaling: wavelengths below original_len / this are kept; between the two, interpolated."""
+    rope_original_max_len: int = 0
+    """Context length the RoPE model was pre-trained at, for llama3 and dynamic scaling (0 = max_seq_len)."""
+    norm_eps: float = 1e-5
+    """Epsilon of the norms (RMSNorm; LayerNorm for gpt2 and bert; T5's RMS-style LayerNorm)."""
+    tie_embeddings: bool = False
+    """Share the token embedding with the output projection."""
+    dropout: float = 0.0
+    """Dropout probability in training on attention weights, the embedding, attention and MLP outputs (0 = off)."""
+    output_scale: bool = False
+    """t5: multiply the decoder's final states by dim ** -0.5 before the output projection (T5 v1.0)."""
+    type_vocab_size: int = 2
+    """bert: token-type (segment) embeddings."""
+    rel_pos_buckets: int = 32
+    """t5: relative-position buckets of the attention bias (half per direction in the encoder)."""
+    rel_pos_max_distance: int = 128
+    """t5: distance from which relative positions share the last, logarithmic bucket."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"
+    """'stdlib' (the .py sources of the running Python) or a path: .txt, .jsonl (field text), prepared .bin."""
+    tokenizer: str = "bpe"
+    """'bpe' (byte-level BPE trained on the corpus and cached) or a path to a tokenizer.json."""
+    seq_len: int = 256
+    """Tokens per training sequence."""
+    val_fraction: float = 0.02
+    """Share of documents held out for validation (chosen by a hash of the document name)."""
+    mask_fraction: float = 0.15
+    """mlm: share of each sequence's tokens scored (80% [MASK], 10% random, 10% kept); span: share cut out."""
+    mean_span_length: float = 3.0
+    """span (T5): mean length of the cut-out spans, each replaced by one sentinel."""
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 8
+    """Sequences per forward/backward on one rank."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step over all ranks; a multiple of micro_batch_size x dp."""
+    lr: float = 3e-3
+    """Peak learning rate, reached after warmup_steps."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 20
+    """Linear warmup steps from 0 to lr."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices (not on norms, biases or embeddings' gains)."""
+    beta1: float = 0.9
+    """AdamW and LAMB first-moment decay."""
+    beta2: float = 0.95
+    """AdamW and LAMB second-moment decay."""
+    eps: float = 1e-8
+    """AdamW and LAMB epsilon."""
+    momentum: float = 0.9
+    """SGD and LARS momentum."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (over all ranks and shards) to this; 0 = no clipping."""
+    optimizer: str = _choices("adamw", "lamb", "lars", "sgd")
+    """Optimizer: adamw, lamb or lars (per-tensor trust ratios for large batches), or sgd."""
+    trust_clip: float = 0.0
+    """lamb/lars only: upper bound on each tensor's trust ratio ||w|| / ||update|| (0 = unbounded)."""
+    precision: str = _choices("fp32", "bf16", "fp16")
+    """Compute precision; bf16/fp16 autocast matmuls while weights and optimizer stay fp32."""
+    loss_scale: float = 0.0
+    """fp16 only: 0 = dynamic loss scaling; > 0 = this fixed scale."""
+    initial_scale_power: int = 16
+    """fp16 only: dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: int = 1000
+    """fp16 only: steps without overflow before the dynamic scale doubles."""
+    hysteresis: int = 2
+    """fp16 only: overflows tolerated (each skips its step) before the scale is halved."""
+    min_loss_scale: float = 1.0
+    """fp16 only: the dynamic scale never goes below this."""
+    lr_schedule: str = _choices("cosine", "ds_warmup", "ds_warmup_decay", "ds_warmup_cosine")
+    """cosine = linear warmup then cosine to min_lr; ds_* = DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR."""
+    warmup_type: str = _choices("linear", "log")
+    """ds_* schedules: shape of the warmup (cosine always warms up linearly)."""
+    warmup_start_lr: float = 0.0
+    """ds_* schedules: learning rate at the start of the warmup."""
+    schedule_steps: int = 0
+    """ds_warmup_decay / ds_warmup_cosine: step where the decay ends (0 = run.steps)."""
+    objective: str = _choices("auto", "causal", "mlm", "span")
+    """Pre-training objective: causal (decoders), mlm (bert), span corruption (t5); auto = the architecture's."""
+    activation_checkpoint: str = _choices("none", "full", "selective")
+    """Recompute activations in backward to save memory: full = each block, selective = the attention core."""
+    chunked_loss: bool = True
+    """Output projection + cross-entropy a chunk of tokens at a time, never holding (tokens, vocab) logits
+    (without tp and pp; tp's vocabulary-parallel loss splits the logits already); false = the plain path."""
+
+
+@dataclass
+class ParallelConfig:
+    nproc: int = 1
+    """Local worker processes to start (through torch's elastic launcher); 1 = this process."""
+    dp: int = -1
+    """Data-parallel degree; -1 = whatever the world size leaves."""
+    zero: int = field(default=0, metadata={"choices": (0, 1, 2, 3)})
+    """0 = replicate everything; 1 = shard optimizer state; 2 = also gradients; 3 = also parameters (FSDP2)."""
+    zero_shard: int = -1
+    """Ranks one ZeRO-3 shard group spans; -1 = all of dp; a smaller divisor replicates shards across groups (HSDP)."""
+    reduce_bucket_mb: float = 25.0
+    """ZeRO-1/2: MiB of gradients reduce-scattered together; smaller buckets start during backward sooner."""
+    offload: str = _choices("none", "cpu", "nvme")
+    """ZeRO-1/2 masters and optimizer state: on the accelerator (none), in host memory (cpu) or in files (nvme)."""
+    nvme_path: str = ""
+    """Directory of offload = nvme's memory-mapped state files; empty = <run dir>/offload (a temp dir if unknown)."""
+    tp: int = 1
+    """Tensor-parallel degree: each layer's weights are split over this many consecutive ranks."""
+    tp_mode: str = _choices("1d", "2d", "2.5d", "3d")
+    """Tensor-parallel scheme: 1d = Megatron's column/row split; 2d, 2.5d, 3d = Colossal-AI's grids."""
+    tp_depth: int = 1
+    """2.5d only: depth d of the q x q x d grid (tp = q * q * d)."""
+    sp: bool = False
+    """Megatron sequence parallelism (needs tp > 1): norms and residuals split along the sequence."""
+    pp: int = 1
+    """Pipeline-parallel degree: the layers are split into this many stages on different ranks."""
+    pp_schedule: str = _choices("1f1b", "gpipe", "interleaved", "zero_bubble")
+    """Pipeline schedule; interleaved and zero_bubble run pp_virtual_stages stages per rank."""
+    pp_microbatches: int = 0
+    """Micro-batches per pipeline run; 0 = all of this rank's micro-batches of the step in one run."""
+    pp_virtual_stages: int = 2
+    """interleaved / zero_bubble: model chunks (virtual stages) each pipeline rank holds."""
+    pp_split: str = ""
+    """Module names that start stages 2.. (e.g. "layers.2,layers.4"); empty = balanced by layer count."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Steps between checkpoints (0 = only at the end of training)."""
+    keep: int = 2
+    """Newest complete checkpoints to keep (0 = keep all)."""
+    resume: str = "auto"
+    """'auto' = newest complete checkpoint of this run, 'none' = start fresh, or a checkpoint path."""
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    set_keys: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+    """`section.key` names the TOML file or the overrides gave (the loader records them)."""
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.out_dir or f"runs/{self.run.name}")
+
+
+SECTIONS: dict[str, type] = {f.name: type(getattr(Config(), f.name)) for f in fields(Config)
+                             if f.name != "set_keys"}
+
+
+def field_docs(section_cls: type) -> dict[str, str]:
+    """The docstring written under each field of a config dataclass."""
+    tree = ast.parse(inspect.getsource(section_cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for stmt, nxt in zip(body, body[1:]):
+        if isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr):
+            if isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                docs[stmt.target.id] = nxt.value.value  # type: ignore[attr-defined]
+    return docs
+
+
+def all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in fields(cls)]
+
