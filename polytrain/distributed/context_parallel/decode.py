@@ -11,7 +11,7 @@ shard locally, giving a partial output and log-sum-exp; one all-gather of those 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -20,8 +20,12 @@ from polytrain.distributed.context_parallel.layout import CPGroups
 from polytrain.models.common.blockwise_attention import Visibility, attention_forward
 from polytrain.models.common.kv_cache import KVCache
 
-if TYPE_CHECKING:
-    from polytrain.distributed.context_parallel.attention import ContextParallel
+
+class Decoding(Protocol):
+    """What the cache reads of a ContextParallel (attention.py): its groups, and whether it is decoding."""
+
+    groups: CPGroups
+    decoding: bool
 
 
 class ShardedKVCache(KVCache):
@@ -31,7 +35,7 @@ class ShardedKVCache(KVCache):
     each call brings one token, kept by its owner only.
     """
 
-    def __init__(self, batch_size: int, local_max_len: int, cp: ContextParallel):
+    def __init__(self, batch_size: int, local_max_len: int, cp: Decoding):
         super().__init__(batch_size, local_max_len)
         self.cp = cp
         self._filled: dict[int, int] = {}  # layer -> slots of this rank's cache in use
