@@ -13,7 +13,8 @@
 
 Two implementations:
 - `FSDP2DataParallel`, zero = 0 or 3 (and the single process): FSDP2 `fully_shard` on
-  the (dp_replicate, dp_shard) mesh. zero = 0 puts every rank on dp_replicate:
+  the (dp_replicate, dp_shard) mesh (with context parallelism, cp flattened into one of
+  them: ParallelDims.grad_mesh). zero = 0 puts every rank on dp_replicate:
   full parameters everywhere, gradients all-reduced (DDP semantics). zero = 3 shards
   parameters, gradients and optimizer state over dp_shard: each block is
   all-gathered just before its forward and backward and freed after, gradients are
@@ -76,11 +77,11 @@ def build_data_parallel(runtime: Runtime, cfg: ParallelConfig, run_dir: Path | N
         from polytrain.distributed.pipeline.chunks import PipelineDataParallel
 
         return PipelineDataParallel(lambda: FSDP2DataParallel(runtime, pipelined=True), mesh["pp"])
-    if dims.zero in (1, 2) and (dims.dp > 1 or cfg.offload != "none"):
+    if dims.zero in (1, 2) and (dims.grad_ranks > 1 or cfg.offload != "none"):
         nvme_dir = cfg.nvme_path or (Path(run_dir) / "offload" if run_dir is not None else None)
         store = ShardStore(cfg.offload, nvme_dir, runtime.world.rank, pin=runtime.acc.pin_memory_available())
-        # ParallelDims puts all data-parallel ranks on dp_shard for these stages.
-        dp_mesh = mesh["dp_shard"] if dims.dp > 1 else None
+        # ParallelDims puts all data-parallel ranks on dp_shard for these stages (x cp: zero_mesh).
+        dp_mesh = dims.zero_mesh(mesh) if dims.grad_ranks > 1 else None
         return ZeroDataParallel(runtime.acc, dp_mesh, dims.zero, int(cfg.reduce_bucket_mb * 2**20), store)
     return FSDP2DataParallel(runtime)
 
@@ -115,9 +116,9 @@ class FSDP2DataParallel:
         and output head.
         """
         self.model = model
-        if self.dims.dp == 1:
+        if self.dims.grad_ranks == 1:
             return model
-        dp_mesh = self.mesh["dp_replicate", "dp_shard"]
+        dp_mesh = self.dims.grad_mesh(self.mesh)  # dp (x cp: its ranks' gradients are summed too)
         by_all_reduce = self.runtime.acc.reduce_scatter_by_all_reduce
         if not isinstance(getattr(model, "layers", None), nn.ModuleDict):
             # A model without a `layers` dict of blocks (a user's, through polytrain.initialize)

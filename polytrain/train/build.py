@@ -8,8 +8,9 @@
 The order, on the meta device until the last step (so no rank ever holds the whole model
 unless its layout keeps it whole):
 
-    build (registry) -> pipeline split -> chunked loss head -> tensor/sequence parallel ->
-    activation checkpointing -> data parallel / ZeRO -> real weights (seeded by name)
+    build (registry) -> pipeline split -> chunked loss head -> context parallel ->
+    tensor/sequence parallel -> activation checkpointing -> data parallel / ZeRO ->
+    real weights (seeded by name)
     [-> tied copies, autocast and the runner, for pipelines]
 
 The trainer, `polytrain.initialize` and later engines (RLHF's four models) all build
@@ -28,6 +29,8 @@ import torch.nn as nn
 
 from polytrain.config import Config
 from polytrain.distributed.activation_checkpoint import apply_activation_checkpointing
+from polytrain.distributed.context_parallel import ContextParallel
+from polytrain.distributed.context_parallel.apply import parallelize_context
 from polytrain.distributed.data_parallel import DataParallel, build_data_parallel
 from polytrain.distributed.materialize import materialize
 from polytrain.distributed.pipeline import PipelinePlan, PipelineRunner, split_model
@@ -36,7 +39,13 @@ from polytrain.distributed.runtime import Runtime
 from polytrain.distributed.tensor_parallel import Context, parallelize_model
 from polytrain.errors import ConfigError
 from polytrain.models import ARCHITECTURES
-from polytrain.train.loss import ModelLoss, attach_loss_head, logits_loss_for
+from polytrain.train.loss import (
+    ContextParallelLoss,
+    ModelLoss,
+    attach_loss_head,
+    logits_loss_for,
+    sharded_logits_loss,
+)
 
 AUTOCAST = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -55,18 +64,25 @@ class BuiltModel:
     pipeline: PipelineRunner | None
     tp_ctx: Context | None
     """What its tensor-parallel layers share (None without tp)."""
+    cp: ContextParallel | None
+    """Its context-parallel attention (None unless parallel.cp > 1 or data.packed_documents): the
+    loss shards each batch through it, generation runs over it (inference/cp_generate.py)."""
     num_params: int
     """Parameters of the whole model, whatever part of it this rank holds."""
     flops_per_token: float
 
 
 def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = None,
-                run_dir: Path | None = None) -> BuiltModel:
+                run_dir: Path | None = None, eot_id: int | None = None) -> BuiltModel:
     """`cfg.model` from the registry, laid out by `runtime` (and `pipeline`, the layout's plan).
 
     `cfg.train` picks activation checkpointing, the chunked loss and the pipeline's autocast;
-    `cfg.parallel` the data-parallel strategy; `run_dir` holds nvme offload files by default.
+    `cfg.parallel` the data-parallel strategy; `run_dir` holds nvme offload files by default;
+    `eot_id` is the end-of-text id that ends packed documents (data.packed_documents).
     """
+    if cfg.data.packed_documents and eot_id is None:
+        raise ValueError("data.packed_documents needs build_model(..., eot_id=) to find the documents")
+    eot_id = eot_id if cfg.data.packed_documents else None
     arch = ARCHITECTURES[cfg.model.arch]
     with torch.device("meta"):
         model = arch.build(cfg.model)
@@ -74,22 +90,30 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
     stages = split_model(model, pipeline, runtime.axis_rank("pp")) if pipeline else {"": model}
     head = attach_loss_head(model, cfg.train, runtime.dims, pipelined=pipeline is not None)
     plan = arch.tp_plan(cfg.model) if runtime.dims.tp > 1 else None
+    cp = ContextParallel(runtime.cp) if runtime.cp.size > 1 or cfg.data.packed_documents else None
     tp_ctx = None
     for stage in stages.values():
+        if cp is not None:
+            parallelize_context(stage, cp)  # first: tensor parallelism and checkpointing wrap its cores
         tp_ctx = parallelize_model(stage, plan, runtime)  # the same context kind on every stage
         apply_activation_checkpointing(stage, cfg.train.activation_checkpoint)
     dp = build_data_parallel(runtime, cfg.parallel, run_dir)
     model = dp.parallelize(stages if pipeline else model)
     runner = None
     if pipeline:
-        shapes = StageShapes(cfg.train.micro_batch_size, cfg.data.seq_len, cfg.model.dim, cfg.model.vocab_size)
+        local_len = cfg.data.seq_len // runtime.cp.size  # a stage runs this rank's shard of each sequence
+        shapes = StageShapes(cfg.train.micro_batch_size, local_len, cfg.model.dim, cfg.model.vocab_size)
         dtype = AUTOCAST[cfg.train.precision]
         runner = build_pipeline(model, pipeline, runtime, dp, shapes, seed=cfg.run.seed,
                                 tied=cfg.model.tie_embeddings, autocast=lambda: runtime.acc.autocast(dtype))
     else:
         materialize(model, runtime.device, cfg.run.seed)
-    loss = ModelLoss(logits_loss_for(tp_ctx, cfg.model.vocab_size), head)
-    return BuiltModel(model, dp, loss, runner, tp_ctx, num_params, flops)
+    logits_loss = logits_loss_for(tp_ctx, cfg.model.vocab_size)
+    if cp is None:
+        loss = ModelLoss(logits_loss, head)
+    else:
+        loss = ContextParallelLoss(ModelLoss(sharded_logits_loss(logits_loss, cp), head), cp, eot_id)
+    return BuiltModel(model, dp, loss, runner, tp_ctx, cp, num_params, flops)
 
 
 def place_model(runtime: Runtime, module: nn.Module, cfg: Config, seed: int) -> BuiltModel:
@@ -111,7 +135,7 @@ def place_model(runtime: Runtime, module: nn.Module, cfg: Config, seed: int) -> 
     if on_meta:
         materialize(module, runtime.device, seed)
     num_params = sum(p.numel() for p in module.parameters())
-    return BuiltModel(module, dp, None, None, None, num_params, 0.0)
+    return BuiltModel(module, dp, None, None, None, None, num_params, 0.0)
 
 
 @torch.no_grad()

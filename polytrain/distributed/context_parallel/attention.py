@@ -46,6 +46,8 @@ class ContextParallel:
         """(B, T) document ids of the batch being run, whole sequences; None = one document per row."""
         self.decoding = False
         """True while generating over a ShardedKVCache: each call brings one token, the same on every rank."""
+        self.batch = None
+        """The current batch's positions and document ids for this rank (apply.begin_batch), or None."""
 
     @property
     def mode(self) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+from polytrain.config import Config
 from polytrain.distributed.context_parallel.layout import Layout
 from polytrain.errors import ConfigError
 
@@ -40,6 +41,9 @@ def check_context_parallel(cp: int, mode: str, cp_ulysses: int, seq_len: int, n_
     """ConfigError unless the sequence and the heads (per tensor-parallel rank) fit the cp degrees;
     with sequence parallelism (sp) each cp rank's tokens must also split over tp."""
     ring, ulysses = cp_degrees(cp, mode, cp_ulysses)
+    if mode != "hybrid" and cp_ulysses != 1:
+        raise ConfigError(f"parallel.cp_ulysses = {cp_ulysses} only applies with parallel.cp_mode = 'hybrid'; "
+                          f"remove it or set cp_mode = 'hybrid'")
     if cp == 1:
         return
     _check_sequence(seq_len, ring, ulysses, mode)
@@ -49,6 +53,33 @@ def check_context_parallel(cp: int, mode: str, cp_ulysses: int, seq_len: int, n_
                           f"use {_nearest(seq_len, math.lcm(Layout(0, ring, ulysses).divisor, cp * tp))}")
     if ulysses > 1:
         _check_heads(n_heads, n_kv_heads, tp, ulysses, mode)
+
+
+def check_cp_config(cfg: Config, kind: str) -> None:
+    """The whole config against context parallelism and packed documents; `kind`: the architecture's
+    ("decoder", "encoder", "encoder-decoder")."""
+    p, m, d = cfg.parallel, cfg.model, cfg.data
+    if p.cp > 1 or d.packed_documents:
+        what = "parallel.cp > 1" if p.cp > 1 else "data.packed_documents = true"
+        if kind != "decoder":
+            raise ConfigError(f"{what} runs decoders (causal LM); model.arch = '{m.arch}' is an {kind} model")
+    if d.packed_documents and p.pp > 1:
+        raise ConfigError("data.packed_documents = true with parallel.pp > 1: the pipeline's stages get no "
+                          "document ids; set parallel.pp = 1 (use parallel.cp / parallel.tp)")
+    if p.cp == 1:
+        check_context_parallel(1, p.cp_mode, p.cp_ulysses, d.seq_len, m.n_heads, m.n_kv_heads)
+        return
+    if p.tp_mode != "1d":
+        raise ConfigError(f"parallel.cp > 1 with parallel.tp_mode = '{p.tp_mode}': the grid modes split the "
+                          f"sequence themselves; use tp_mode = '1d'")
+    if m.dropout > 0:
+        raise ConfigError(f"model.dropout = {m.dropout} with parallel.cp > 1: context-parallel attention has "
+                          f"no attention dropout; set model.dropout = 0")
+    original = m.rope_original_max_len or m.max_seq_len
+    if m.rope_scaling == "dynamic" and d.seq_len > original:
+        raise ConfigError(f"model.rope_scaling = 'dynamic' beyond model.rope_original_max_len = {original} with "
+                          f"parallel.cp > 1: each rank would pick its own RoPE base; use 'linear' or 'llama3'")
+    check_context_parallel(p.cp, p.cp_mode, p.cp_ulysses, d.seq_len, m.n_heads, m.n_kv_heads, p.tp, p.sp)
 
 
 def _check_sequence(seq_len: int, ring: int, ulysses: int, mode: str) -> None:

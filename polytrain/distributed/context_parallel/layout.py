@@ -96,17 +96,22 @@ class CPGroups:
     ring_size: int
     ulysses_size: int
 
+    @classmethod
+    def single(cls) -> CPGroups:
+        """No context parallelism: this rank alone holds its sequences."""
+        return cls(None, None, None, 1, 1)
+
     @property
     def size(self) -> int:
         return self.ring_size * self.ulysses_size
 
     @property
     def cp_rank(self) -> int:
-        return group_rank(self.cp)
+        return group_rank(self.cp) if self.size > 1 else 0
 
     @property
     def ring_rank(self) -> int:
-        return group_rank(self.ring)
+        return group_rank(self.ring) if self.ring_size > 1 else 0
 
     def ring_peer(self, offset: int) -> int:
         """Global rank of the ring member `offset` places after this one."""
@@ -117,6 +122,8 @@ class CPGroups:
 
     def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """The whole sequence of a sharded tensor (B, T/P, ...) along `dim`, on every cp rank."""
+        if self.size == 1:
+            return x
         layout = self.layout(x.shape[dim] * self.size)
         return layout.unshard(all_gather(x, dim, self.cp), dim)
 
