@@ -123,3 +123,14 @@ def test_cli_writes_needle_json_and_png(tmp_path, tokenizer, capsys):
     assert (tmp_path / "eval" / "needle.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["eval", "needle", str(run), "--lengths", "1k"]) == 2  # past max_seq_len: one error line
     assert "needs model.max_seq_len >= " in capsys.readouterr().err
+
+
+def test_generate_over_two_context_parallel_workers_equals_one_process(tmp_path, tokenizer, capfd):
+    """`polytrain generate --parallel.cp 2`: the run loaded on 2 workers, the KV cache split over them."""
+    run = _tiny_run(tmp_path, tokenizer)
+    prompt = ["generate", str(run), "--prompt", "def main():\n    return", "--max-new-tokens", "12",
+              "--temperature", "0"]
+    assert main(prompt) == 0
+    single = capfd.readouterr().out
+    assert main(prompt + ["--parallel.cp", "2"]) == 0
+    assert capfd.readouterr().out == single != "def main():\n    return\n"  # the same new tokens
