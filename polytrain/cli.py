@@ -15,6 +15,7 @@ Errors a user can fix print one line starting with "error:" and exit with status
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -67,18 +68,25 @@ def _launch_cp(args, command: list[str], argv: list[str]) -> int | None:
     return launch_local_workers(args.cp, [*command, *argv], module="polytrain.cli")
 
 
+@contextlib.contextmanager
 def _cp_sampler(args, run):
-    """(the sampler for `run`, whether this process prints): cp_generate_fn's on a cp group, else the plain one."""
+    """(the sampler for `run`, whether this process prints): cp_generate_fn's on a cp group, else the
+    plain one. A worker leaves the group together with the others (no rank exits mid-collective)."""
     if args.cp <= 1:
         from polytrain.inference.generate import generate
 
-        return generate, True
+        yield generate, True
+        return
     import torch.distributed as dist
 
     from polytrain.inference.cp_generate import cp_generate_fn, join_context_parallel
 
     cp = join_context_parallel(run.model, args.cp, args.cp_mode, args.cp_ulysses)
-    return cp_generate_fn(cp), dist.get_rank() == 0
+    try:
+        yield cp_generate_fn(cp), dist.get_rank() == 0
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _generate(argv: list[str]) -> int:
@@ -100,9 +108,9 @@ def _generate(argv: list[str]) -> int:
     from polytrain.inference.load import generate_text, load_run
 
     run = load_run(args.run_dir, args.checkpoint)
-    sampler, prints = _cp_sampler(args, run)
-    text = generate_text(run, args.prompt, args.max_new_tokens, temperature=args.temperature,
-                         top_k=args.top_k, top_p=args.top_p, seed=args.seed, generate_fn=sampler)
+    with _cp_sampler(args, run) as (sampler, prints):
+        text = generate_text(run, args.prompt, args.max_new_tokens, temperature=args.temperature,
+                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, generate_fn=sampler)
     if prints:
         print(text)
     return 0
@@ -130,16 +138,16 @@ def _chat(argv: list[str]) -> int:
     from polytrain.inference.load import load_run
 
     run = load_run(args.run_dir)
-    sampler, prints = _cp_sampler(args, run)
-    chat = Chat(run, Path(args.run_dir), args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                args.seed, generate_fn=sampler)
-    if args.cp <= 1:
-        repl(chat)
-        return 0
-    from polytrain.inference.cp_generate import shared_lines
+    with _cp_sampler(args, run) as (sampler, prints):
+        chat = Chat(run, Path(args.run_dir), args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                    args.seed, generate_fn=sampler)
+        if args.cp <= 1:
+            repl(chat)
+            return 0
+        from polytrain.inference.cp_generate import shared_lines
 
-    # Rank 0 reads the turns and hands each to every worker; all of them reply (identically).
-    repl(chat, shared_lines(sys.stdin if prints else None), sys.stdout if prints else io.StringIO())
+        # Rank 0 reads the turns and hands each to every worker; all of them reply (identically).
+        repl(chat, shared_lines(sys.stdin if prints else None), sys.stdout if prints else io.StringIO())
     return 0
 
 
@@ -168,9 +176,9 @@ def _eval(argv: list[str]) -> int:
 
     lengths, depths = parse_lengths(args.lengths), parse_depths(args.depths)
     run = load_run(args.run_dir, args.checkpoint)
-    sampler, prints = _cp_sampler(args, run)
-    result = evaluate_needle(run.model, run.tokenizer, lengths, depths, repeats=args.repeats,
-                             needles=args.needles, seed=args.seed, source=args.haystack, generate_fn=sampler)
+    with _cp_sampler(args, run) as (sampler, prints):
+        result = evaluate_needle(run.model, run.tokenizer, lengths, depths, repeats=args.repeats,
+                                 needles=args.needles, seed=args.seed, source=args.haystack, generate_fn=sampler)
     result["checkpoint"] = str(run.checkpoint)
     if prints:
         paths = write_needle(result, args.out or args.run_dir, title=run.checkpoint.parent.parent.name)
