@@ -88,3 +88,25 @@ def test_ring_steps_skip_half_of_every_foreign_shard():
     for j, counts in enumerate(computed):
         assert counts[j] == 3  # its own shard: two diagonal tiles and the early chunk for the late one
         assert all(c == 2 for src, c in enumerate(counts) if src != j)  # 2 of 4 tiles
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--parallel.cp", "4", "--data.seq_len", "100"],
+     "data.seq_len = 100 is not a multiple of 2 x parallel.cp = 8 .*use 96 or 104"),
+    (["--parallel.cp", "4", "--parallel.cp_mode", "ulysses", "--model.n_heads", "6", "--model.n_kv_heads", "6"],
+     "parallel.cp = 4 must divide the 6 attention heads; choose one of 2, 3, 6"),
+    (["--parallel.cp", "4", "--parallel.cp_mode", "hybrid", "--parallel.cp_ulysses", "3"],
+     "parallel.cp_ulysses = 3 must divide parallel.cp = 4"),
+    (["--parallel.cp", "2", "--parallel.cp_ulysses", "2"], "cp_ulysses = 2 only applies with parallel.cp_mode = 'hybrid'"),
+    (["--parallel.cp", "2", "--model.dropout", "0.1"], "model.dropout = 0.1 with parallel.cp > 1"),
+    (["--parallel.cp", "2", "--model.arch", "bert"], "parallel.cp > 1 runs decoders"),
+    (["--data.packed_documents", "true", "--parallel.pp", "2"], "packed_documents = true with parallel.pp > 1"),
+    (["--parallel.cp", "3"], "world size 4 is not divisible by parallel.cp x parallel.tp x parallel.pp = 3 x 1 x 1"),
+])
+def test_start_up_refuses_bad_context_parallel_configs_in_one_line(args, message):
+    from polytrain.config import load_config
+    from polytrain.train.startup import plan_layout
+
+    with pytest.raises(ConfigError, match=message) as err:
+        plan_layout(load_config(None, ["--data.seq_len", "64", "--model.max_seq_len", "128", *args]), 4)
+    assert "\n" not in str(err.value)
