@@ -101,9 +101,8 @@ def _generate(argv: list[str]) -> int:
     parser.add_argument("--checkpoint", default=None, help="a step_<N> directory (default: the newest)")
     _cp_options(parser)
     args = parser.parse_args(argv)
-    launched = _launch_cp(args, ["generate"], argv)
-    if launched is not None:
-        return launched
+    if (code := _launch_cp(args, ["generate"], argv)) is not None:
+        return code
 
     from polytrain.inference.load import generate_text, load_run
 
@@ -127,9 +126,8 @@ def _chat(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     _cp_options(parser)
     args = parser.parse_args(argv)
-    launched = _launch_cp(args, ["chat"], argv)
-    if launched is not None:
-        return launched
+    if (code := _launch_cp(args, ["chat"], argv)) is not None:
+        return code
 
     import io
     from pathlib import Path
@@ -167,9 +165,8 @@ def _eval(argv: list[str]) -> int:
     needle.add_argument("--out", default=None, help="directory for needle.json / needle.png (default: RUN_DIR)")
     _cp_options(needle)
     args = parser.parse_args(argv)
-    launched = _launch_cp(args, ["eval"], argv)
-    if launched is not None:
-        return launched
+    if (code := _launch_cp(args, ["eval"], argv)) is not None:
+        return code
 
     from polytrain.inference.load import load_run
     from polytrain.inference.needle import evaluate_needle, parse_depths, parse_lengths, write_needle

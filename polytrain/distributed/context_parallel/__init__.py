@@ -5,8 +5,11 @@
 - `ulysses.py`: the all-to-alls between sequence and head shards;
 - `ring.py`: ring attention with overlapped K/V passing and LSE merging;
 - `attention.py`: `ContextParallel`, the Attention.core replacement for every mode;
+- `apply.py`: applying it to a model or pipeline stage (cores, positions and document ids
+  injected into the forward), the per-batch set-up, datasets that yield shards;
+- `decode.py`: the KV cache split over the group and decoding attention over it;
 - `cost.py`: the bytes each mode sends per layer (the analytic formulas);
-- `checks.py`: start-up checks of the degrees against the sequence and heads.
+- `checks.py`: start-up checks of the degrees against the sequence, heads and other axes.
 
 The attention kernel itself (blockwise, online softmax) is models/common/blockwise_attention.py.
 """
