@@ -133,6 +133,9 @@ C10D = {
     "reduce_scatter_tensor": ("input", "whole"),
     "_reduce_scatter_base": ("input", "whole"),
     "reduce_scatter": ("input_list", "whole"),
+    "all_to_all_single": ("input", "whole"),
+    "send": ("tensor", "p2p"),
+    "isend": ("tensor", "p2p"),
 }
 # DTensor redistributes (e.g. the ZeRO-3 gradient norm) through functional collectives.
 FUNCOL = {
@@ -143,7 +146,8 @@ FUNCOL = {
 }
 SENT_SHARE = {"all_reduce": lambda n: 2 * (n - 1) / n,
               "whole": lambda n: (n - 1) / n,
-              "piece": lambda n: n - 1}
+              "piece": lambda n: n - 1,
+              "p2p": lambda n: 1}
 
 
 def _nbytes(buffer) -> int:

@@ -1,8 +1,9 @@
-"""`polytrain` command line: train, generate, chat, prepare, consolidate, convert, run.
+"""`polytrain` command line: train, generate, chat, eval, prepare, consolidate, convert, run.
 
     polytrain train [--config FILE.toml] [--deepspeed_config ds_config.json] [--section.key VALUE ...]
-    polytrain generate RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
-    polytrain chat RUN_DIR [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
+    polytrain generate RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--parallel.cp N]
+    polytrain chat RUN_DIR [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--parallel.cp N]
+    polytrain eval needle RUN_DIR [--lengths 1k,4k,16k] [--depths 0,25,50,75,100] [--repeats N] [--out DIR] [--parallel.cp N]
     polytrain prepare SOURCE OUT.bin [--vocab-size N] [--tokenizer bpe|PATH] [--val-fraction F]
     polytrain consolidate CHECKPOINT_DIR OUT [--dtype fp32|bf16|fp16] [--format safetensors|pt]
     polytrain convert HF_DIR OUT_DIR | polytrain convert --to hf RUN_OR_CHECKPOINT OUT_DIR [--dtype ...]
@@ -16,6 +17,7 @@ Errors a user can fix print one line starting with "error:" and exit with status
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -116,19 +118,69 @@ def _plan_elastic(cfg, low: int, high: int, nodes: int, cluster=None) -> dict:
     return layouts
 
 
+def _cp_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--parallel.cp", dest="cp", type=int, default=1,
+                        help="split the prompt's KV cache (and prefill) over N local workers")
+    parser.add_argument("--parallel.cp_mode", dest="cp_mode", default="ring", help="ring, ulysses or hybrid")
+    parser.add_argument("--parallel.cp_ulysses", dest="cp_ulysses", type=int, default=1,
+                        help="hybrid: Ulysses degree inside each ring rank")
+
+
+def _launch_cp(args, command: list[str], argv: list[str]) -> int | None:
+    """With --parallel.cp N > 1 outside a job: run this command as N workers (their exit code); else None."""
+    if args.cp <= 1 or "WORLD_SIZE" in os.environ:
+        return None
+    from polytrain.config import load_config
+    from polytrain.distributed.context_parallel.checks import check_context_parallel
+    from polytrain.train.launch import launch_local_workers
+
+    config = Path(args.run_dir) / "config.toml"
+    if config.is_file():  # the degrees against the run's heads, here, before starting workers
+        m = load_config(config).model
+        check_context_parallel(args.cp, args.cp_mode, args.cp_ulysses, 4 * args.cp**2, m.n_heads, m.n_kv_heads)
+    return launch_local_workers(args.cp, [*command, *argv], module="polytrain.cli")
+
+
+@contextlib.contextmanager
+def _cp_sampler(args, run):
+    """(the sampler for `run`, whether this process prints): cp_generate_fn's on a cp group, else the
+    plain one. A worker leaves the group together with the others (no rank exits mid-collective)."""
+    if args.cp <= 1:
+        from polytrain.inference.generate import generate
+
+        yield generate, True
+        return
+    import torch.distributed as dist
+
+    from polytrain.inference.cp_generate import cp_generate_fn, join_context_parallel
+
+    cp = join_context_parallel(run.model, args.cp, args.cp_mode, args.cp_ulysses)
+    try:
+        yield cp_generate_fn(cp), dist.get_rank() == 0
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _generate(argv: list[str]) -> int:
     parser = _Parser(prog="polytrain generate", description="Sample text from a trained run.")
     parser.add_argument("run_dir", help="a run directory written by `polytrain train`")
     parser.add_argument("--prompt", required=True, help="text to continue; empty = a new document")
     _add_sampling(parser, max_new_tokens=100, temperature=0.8, top_k=None)
     parser.add_argument("--checkpoint", default=None, help="a step_<N> directory (default: the newest)")
+    _cp_options(parser)
     args = parser.parse_args(argv)
+    if (code := _launch_cp(args, ["generate"], argv)) is not None:
+        return code
 
     from polytrain.inference.load import generate_text, load_run
 
     run = load_run(args.run_dir, args.checkpoint)
-    print(generate_text(run, args.prompt, args.max_new_tokens, temperature=args.temperature,
-                        top_k=args.top_k, top_p=args.top_p, seed=args.seed))
+    with _cp_sampler(args, run) as (sampler, prints):
+        text = generate_text(run, args.prompt, args.max_new_tokens, temperature=args.temperature,
+                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, generate_fn=sampler)
+    if prints:
+        print(text)
     return 0
 
 
@@ -137,21 +189,65 @@ def _chat(argv: list[str]) -> int:
     parser.add_argument("run_dir", help="a run directory (trained, made by `polytrain convert`, or an RLHF "
                                         "run: its final actor)")
     _add_sampling(parser, max_new_tokens=200, temperature=0.7, top_k=40)
+    _cp_options(parser)
     args = parser.parse_args(argv)
+    if (code := _launch_cp(args, ["chat"], argv)) is not None:
+        return code
 
-    from pathlib import Path
+    import io
 
     from polytrain.inference.chat import Chat, repl
     from polytrain.inference.load import load_run
-
     from polytrain.rlhf.plan import chat_dir
 
     run_dir = Path(args.run_dir)
     if not (run_dir / "config.toml").is_file() and chat_dir(run_dir) is not None:
         run_dir = chat_dir(run_dir)  # an RLHF run: its final actor
-    chat = Chat(load_run(run_dir), run_dir, args.max_new_tokens, args.temperature,
-                args.top_k, args.top_p, args.seed)
-    repl(chat)
+    run = load_run(run_dir)
+    with _cp_sampler(args, run) as (sampler, prints):
+        chat = Chat(run, run_dir, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                    args.seed, generate_fn=sampler)
+        if args.cp <= 1:
+            repl(chat)
+            return 0
+        from polytrain.inference.cp_generate import shared_lines
+
+        # Rank 0 reads the turns and hands each to every worker; all of them reply (identically).
+        repl(chat, shared_lines(sys.stdin if prints else None), sys.stdout if prints else io.StringIO())
+    return 0
+
+
+def _eval(argv: list[str]) -> int:
+    parser = _Parser(prog="polytrain eval", description="Evaluate a trained run.")
+    tasks = parser.add_subparsers(dest="task", required=True)
+    needle = tasks.add_parser("needle", help="needle-in-a-haystack retrieval over lengths x depths; "
+                                             "writes needle.json and needle.png")
+    needle.add_argument("run_dir", help="a run directory (trained, or made by `polytrain convert`)")
+    needle.add_argument("--lengths", default="1k,2k,4k", help="context lengths in tokens, k = 1024")
+    needle.add_argument("--depths", default="0,25,50,75,100", help="needle depths, percent of the context")
+    needle.add_argument("--repeats", type=int, default=2, help="prompts per cell (different keys and haystacks)")
+    needle.add_argument("--needles", type=int, default=1, help="needles per prompt (> 1: multi-needle retrieval)")
+    needle.add_argument("--haystack", default="stdlib", help="corpus of the filler text (as data.source)")
+    needle.add_argument("--seed", type=int, default=0)
+    needle.add_argument("--checkpoint", default=None, help="a step_<N> directory (default: the newest)")
+    needle.add_argument("--out", default=None, help="directory for needle.json / needle.png (default: RUN_DIR)")
+    _cp_options(needle)
+    args = parser.parse_args(argv)
+    if (code := _launch_cp(args, ["eval"], argv)) is not None:
+        return code
+
+    from polytrain.inference.load import load_run
+    from polytrain.inference.needle import evaluate_needle, parse_depths, parse_lengths, write_needle
+
+    lengths, depths = parse_lengths(args.lengths), parse_depths(args.depths)
+    run = load_run(args.run_dir, args.checkpoint)
+    with _cp_sampler(args, run) as (sampler, prints):
+        result = evaluate_needle(run.model, run.tokenizer, lengths, depths, repeats=args.repeats,
+                                 needles=args.needles, seed=args.seed, source=args.haystack, generate_fn=sampler)
+    result["checkpoint"] = str(run.checkpoint)
+    if prints:
+        paths = write_needle(result, args.out or args.run_dir, title=run.checkpoint.parent.parent.name)
+        print(f"needle retrieval overall {result['overall']:.1f} / 100; wrote {paths[0]} and {paths[1]}")
     return 0
 
 
@@ -326,7 +422,7 @@ def _plan(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": _train, "plan": _plan, "generate": _generate, "prepare": _prepare, "consolidate": _consolidate,
-            "convert": _convert, "chat": _chat, "run": _run}
+            "convert": _convert, "chat": _chat, "run": _run, "eval": _eval}
 
 
 def main(argv: list[str] | None = None) -> int:

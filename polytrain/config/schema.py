@@ -115,6 +115,10 @@ class DataConfig:
     """mlm: share of each sequence's tokens scored (80% [MASK], 10% random, 10% kept); span: share cut out."""
     mean_span_length: float = 3.0
     """span (T5): mean length of the cut-out spans, each replaced by one sentinel."""
+    task: str = _choices("lm", "passkey")
+    """lm: the corpus's text; passkey: synthetic pass-key retrieval with the corpus as haystack (data/needle.py)."""
+    packed_documents: bool = False
+    """Decoders: attention stays inside each document of a window (ends at end-of-text); positions restart per document."""
 
 
 @dataclass
@@ -229,6 +233,12 @@ class ParallelConfig:
     """interleaved / zero_bubble: model chunks (virtual stages) each pipeline rank holds."""
     pp_split: str = ""
     """Module names that start stages 2.. (e.g. "layers.2,layers.4"); empty = balanced by layer count."""
+    cp: int = 1
+    """Context-parallel degree: each sequence is split over this many ranks (mesh axis inside dp, outside tp)."""
+    cp_mode: str = _choices("ring", "ulysses", "hybrid")
+    """ring: K/V passed around the ranks (zigzag-balanced); ulysses: all-to-all to head shards; hybrid: both."""
+    cp_ulysses: int = 1
+    """hybrid: Ulysses degree inside each group of ranks (divides cp); the ring runs across cp / cp_ulysses groups."""
 
 
 @dataclass

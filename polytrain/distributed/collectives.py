@@ -2,7 +2,7 @@
 
 Two layers:
 
-- Plain collectives (`all_reduce`, `all_gather`, `reduce_scatter`, `send`, `recv`, ...):
+- Plain collectives (`all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`, `send`, ...):
   out-of-place wrappers over torch.distributed on any process group. Each one records
   what it cost in every active `comm_stats()` counter: the call, the bytes this rank
   sends under the ring algorithm, and the global ranks it talks to.
@@ -29,7 +29,8 @@ Counting (process-local, nestable, off unless a counter is active):
 
 Bytes sent per rank, for a group of n ranks and a tensor of b bytes (ring algorithms):
 all-reduce 2(n-1)/n * b, all-gather (n-1)/n * output bytes, reduce-scatter (n-1)/n *
-input bytes, broadcast b from the source, send b. A group of one rank sends nothing.
+input bytes, all-to-all (n-1)/n * b, broadcast b from the source, send b. A group of one
+rank sends nothing.
 """
 
 from __future__ import annotations
@@ -188,6 +189,21 @@ def broadcast(x: torch.Tensor, src: int, group: ProcessGroup | None) -> torch.Te
     return out
 
 
+def all_to_all(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """x (n, ...): slot j goes to group rank j; returns (n, ...) whose slot j came from rank j."""
+    n = group_size(group)
+    if x.shape[0] != n:
+        raise ValueError(f"all_to_all: leading size {x.shape[0]} must equal the group's {n} ranks")
+    if n == 1:
+        return x.clone()
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if _counters:
+        record("all_to_all", (n - 1) / n * _nbytes(x), _group_peers(group))
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
 def send(x: torch.Tensor, dst: int, group: ProcessGroup | None = None) -> None:
     """Blocking point-to-point send to global rank `dst`."""
     record("send", _nbytes(x), (dst,))
@@ -201,16 +217,16 @@ def recv(x: torch.Tensor, src: int, group: ProcessGroup | None = None) -> torch.
     return x
 
 
-def isend(x: torch.Tensor, dst: int, group: ProcessGroup | None = None) -> dist.Work:
+def isend(x: torch.Tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> dist.Work:
     """Non-blocking send; keep `x` alive until the returned work is waited on."""
     record("send", _nbytes(x), (dst,))
-    return dist.isend(x, dst, group=group)
+    return dist.isend(x, dst, group=group, tag=tag)
 
 
-def irecv(x: torch.Tensor, src: int, group: ProcessGroup | None = None) -> dist.Work:
-    """Non-blocking receive into `x`."""
+def irecv(x: torch.Tensor, src: int, group: ProcessGroup | None = None, tag: int = 0) -> dist.Work:
+    """Non-blocking receive into `x` (from a send with the same tag)."""
     record("recv", 0, (src,))
-    return dist.irecv(x, src, group=group)
+    return dist.irecv(x, src, group=group, tag=tag)
 
 
 # ----- autograd pairs ---------------------------------------------------------------------

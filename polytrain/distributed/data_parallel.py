@@ -13,7 +13,8 @@
 
 Two implementations:
 - `FSDP2DataParallel`, zero = 0 or 3 (and the single process): FSDP2 `fully_shard` on
-  the (dp_replicate, dp_shard) mesh. zero = 0 puts every rank on dp_replicate:
+  the (dp_replicate, dp_shard) mesh (with context parallelism, cp flattened into one of
+  them: ParallelDims.grad_mesh). zero = 0 puts every rank on dp_replicate:
   full parameters everywhere, gradients all-reduced (DDP semantics). zero = 3 shards
   parameters, gradients and optimizer state over dp_shard: each block is
   all-gathered just before its forward and backward and freed after, gradients are
@@ -114,9 +115,9 @@ class FSDP2DataParallel:
         and output head.
         """
         self.model = model
-        if self.dims.dp == 1:
+        if self.dims.grad_ranks == 1:
             return model
-        dp_mesh = self.mesh["dp_replicate", "dp_shard"]
+        dp_mesh = self.dims.grad_mesh(self.mesh)  # dp (x cp: its ranks' gradients are summed too)
         by_all_reduce = self.runtime.acc.reduce_scatter_by_all_reduce
         unit_options = (self.param_dtype, self.offload, self.runtime.acc.pin_memory_available())
         if not isinstance(getattr(model, "layers", None), nn.ModuleDict):

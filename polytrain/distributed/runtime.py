@@ -18,6 +18,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from polytrain.backend.base import Accelerator
+from polytrain.distributed.context_parallel.checks import cp_degrees
+from polytrain.distributed.context_parallel.layout import CPGroups, new_cp_groups
 from polytrain.distributed.topology import ParallelDims, dp_coordinates
 from polytrain.distributed.world import World
 
@@ -35,6 +37,8 @@ class Runtime:
     """This rank's index among the data-parallel ranks: which slice of each batch it reads."""
     dp_size: int
     device: torch.device
+    cp: CPGroups
+    """This rank's context-parallel groups (one rank each when parallel.cp = 1)."""
 
     @classmethod
     def create(cls, acc: Accelerator, world: World, dims: ParallelDims) -> Runtime:
@@ -43,7 +47,11 @@ class Runtime:
             raise ValueError(f"the layout is for {dims.world_size} processes, the world has {world.world_size}")
         mesh = dims.build_mesh(acc.device_type) if world.world_size > 1 else None
         dp_rank, dp_size = dp_coordinates(mesh) if mesh is not None else (0, 1)
-        return cls(acc, world, dims, mesh, dp_rank, dp_size, acc.device(world.local_rank))
+        cp = CPGroups.single()
+        if dims.cp > 1:  # collective: every rank creates every cp group's sub-groups
+            _, ulysses = cp_degrees(dims.cp, dims.cp_mode, dims.cp_ulysses)
+            cp = new_cp_groups(dims.groups("cp"), ulysses)
+        return cls(acc, world, dims, mesh, dp_rank, dp_size, acc.device(world.local_rank), cp)
 
     def with_dims(self, dims: ParallelDims) -> Runtime:
         """Another layout over the same processes and device (a second model of the job)."""

@@ -54,10 +54,10 @@ def _strategy(runtime: Runtime, cfg: ParallelConfig, run_dir: Path | None, param
     nvme_dir = cfg.nvme_path or (Path(run_dir) / "offload" if run_dir is not None else None)
     if dims.zero == 3 and zero3_offload(cfg) == "nvme":
         return NvmeFSDP2DataParallel(runtime, nvme_dir, param_dtype=param_dtype)
-    if zero12 and (dims.dp > 1 or cfg.offload != "none") or mixed and dims.dp == 1:
+    if zero12 and (dims.grad_ranks > 1 or cfg.offload != "none") or mixed and dims.grad_ranks == 1:
         store = ShardStore(cfg.offload, nvme_dir, runtime.world.rank, pin=runtime.acc.pin_memory_available())
-        # ParallelDims puts all data-parallel ranks on dp_shard for these stages.
-        dp_mesh = mesh["dp_shard"] if dims.dp > 1 else None
+        # ParallelDims puts all data-parallel ranks on dp_shard for these stages (x cp: zero_mesh).
+        dp_mesh = dims.zero_mesh(mesh) if dims.grad_ranks > 1 else None
         return ZeroDataParallel(runtime.acc, dp_mesh, dims.zero if zero12 else 1, int(cfg.reduce_bucket_mb * 2**20),
                                 store, param_dtype=param_dtype, pipelined=pipelined, tp=dims.tp)
     offload = zero3_offload(cfg) if dims.zero == 3 else "none"

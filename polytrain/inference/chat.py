@@ -60,7 +60,9 @@ class Chat:
     """The conversation so far and how to continue it."""
 
     def __init__(self, run: LoadedRun, run_dir: Path, max_new_tokens: int = 200, temperature: float = 0.7,
-                 top_k: int | None = 40, top_p: float | None = None, seed: int = 0):
+                 top_k: int | None = 40, top_p: float | None = None, seed: int = 0, generate_fn=generate):
+        """generate_fn: the sampler, with inference.generate's contract (cp_generate_fn's over a cp group)."""
+        self.generate_fn = generate_fn
         if ARCHITECTURES[run.cfg.model.arch].kind != "decoder":
             raise ConfigError(f"polytrain chat needs a decoder (llama, gpt2, internlm2), not {run.cfg.model.arch}")
         self.run, self.template = run, chat_template(run_dir) or PLAIN
@@ -85,7 +87,7 @@ class Chat:
             ids = self.prompt_ids()
         if len(ids) >= context:
             raise ConfigError(f"the message is {len(ids)} tokens; this model's context is {context}")
-        new = generate(self.run.model, [ids], min(self.max_new_tokens, context - len(ids)),
+        new = self.generate_fn(self.run.model, [ids], min(self.max_new_tokens, context - len(ids)),
                        stop_tokens=self.stops, generator=self.generator, **self.sampling)[0]
         if new and new[-1] in self.stops:
             new = new[:-1]

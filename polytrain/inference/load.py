@@ -72,10 +72,13 @@ def load(path: str | Path, device: torch.device | str | None = None):
 
 
 def generate_text(run: LoadedRun, prompt: str, max_new_tokens: int, *, temperature: float = 0.8,
-                  top_k: int | None = None, top_p: float | None = None, seed: int = 0) -> str:
+                  top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+                  generate_fn=generate) -> str:
     """`prompt` followed by up to `max_new_tokens` sampled tokens (fewer if the model's context ends);
     for an encoder-decoder, the decoder's text for the encoded prompt. An empty prompt starts
-    from end-of-text, the token between training documents: the sample is a new document."""
+    from end-of-text, the token between training documents: the sample is a new document.
+    `generate_fn`: a decoder's sampler with inference.generate's contract (cp_generate_fn's
+    over a cp group)."""
     kind = ARCHITECTURES[run.cfg.model.arch].kind
     if kind == "encoder":
         raise ConfigError(f"text generation needs a decoder or an encoder-decoder; {run.cfg.model.arch} "
@@ -91,7 +94,7 @@ def generate_text(run: LoadedRun, prompt: str, max_new_tokens: int, *, temperatu
     room = run.cfg.model.max_seq_len - len(ids)
     if room <= 0:
         raise ConfigError(f"the prompt is {len(ids)} tokens; this model's context is {run.cfg.model.max_seq_len}")
-    new = generate(run.model, [ids], min(max_new_tokens, room), **sampling)
+    new = generate_fn(run.model, [ids], min(max_new_tokens, room), **sampling)
     return prompt + run.tokenizer.decode(new[0])
 
 

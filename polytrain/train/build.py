@@ -8,9 +8,9 @@
 The order, on the meta device until the last step (so no rank ever holds the whole model
 unless its layout keeps it whole):
 
-    build (registry) -> chunked loss head -> pipeline split -> LoRA adapters -> tensor/sequence
-    parallel -> compiled blocks -> activation checkpointing -> data parallel / ZeRO -> real weights
-    (seeded by name)
+    build (registry) -> chunked loss head -> pipeline split -> LoRA adapters -> context
+    parallel -> tensor/sequence parallel -> compiled blocks -> activation checkpointing ->
+    data parallel / ZeRO -> real weights (seeded by name)
     [-> tied copies, autocast and the runner, for pipelines]
 
 The trainer, `polytrain.initialize` and later engines (RLHF's four models) all build
@@ -30,6 +30,8 @@ import torch.nn as nn
 
 from polytrain.config import Config
 from polytrain.distributed.activation_checkpoint import apply_activation_checkpointing
+from polytrain.distributed.context_parallel import ContextParallel
+from polytrain.distributed.context_parallel.apply import parallelize_context
 from polytrain.distributed.data_parallel import DataParallel
 from polytrain.distributed.strategies import build_data_parallel, param_dtype_of
 from polytrain.distributed.materialize import materialize
@@ -41,7 +43,15 @@ from polytrain.errors import ConfigError
 from polytrain.lora import adapter_parameter_count, apply_lora
 from polytrain.models import ARCHITECTURES
 from polytrain.train.compiled import CompileTimer, compile_blocks
-from polytrain.train.loss import ModelLoss, attach_loss_head, deferred_loss, logits_loss_for, scoring_head
+from polytrain.train.loss import (
+    ContextParallelLoss,
+    ModelLoss,
+    attach_loss_head,
+    deferred_loss,
+    logits_loss_for,
+    scoring_head,
+    sharded_logits_loss,
+)
 
 AUTOCAST = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -77,6 +87,9 @@ class BuiltModel:
     pipeline: PipelineRunner | None
     tp_ctx: Context | None
     """What its tensor-parallel layers share (None without tp)."""
+    cp: ContextParallel | None
+    """Its context-parallel attention (None unless parallel.cp > 1 or data.packed_documents): the
+    loss shards each batch through it, generation runs over it (inference/cp_generate.py)."""
     num_params: int
     """Parameters of the whole model, whatever part of it this rank holds (without LoRA adapters)."""
     flops_per_token: float
@@ -87,14 +100,18 @@ class BuiltModel:
 
 
 def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = None,
-                run_dir: Path | None = None) -> BuiltModel:
+                run_dir: Path | None = None, eot_id: int | None = None) -> BuiltModel:
     """`cfg.model` from the registry, laid out by `runtime` (and `pipeline`, the layout's plan).
 
     `cfg.train` picks activation checkpointing, the chunked loss and the pipeline's autocast;
     `cfg.parallel` the data-parallel strategy; `cfg.lora` the adapters (on each stage, before
     tensor parallelism splits them with their base weights); `run_dir` holds nvme offload
-    files by default.
+    files by default; `eot_id` is the end-of-text id that ends packed documents
+    (data.packed_documents).
     """
+    if cfg.data.packed_documents and eot_id is None:
+        raise ValueError("data.packed_documents needs build_model(..., eot_id=) to find the documents")
+    eot_id = eot_id if cfg.data.packed_documents else None
     arch = ARCHITECTURES[cfg.model.arch]
     with torch.device("meta"):
         model = arch.build(cfg.model)
@@ -106,8 +123,11 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
         for stage in stages.values():
             apply_lora(stage, cfg.lora)
     plan = arch.tp_plan(cfg.model) if runtime.dims.tp > 1 else None
+    cp = ContextParallel(runtime.cp) if runtime.cp.size > 1 or cfg.data.packed_documents else None
     tp_ctx, compiled = None, 0
     for stage in stages.values():
+        if cp is not None:
+            parallelize_context(stage, cp)  # first: tensor parallelism and checkpointing wrap its cores
         tp_ctx = parallelize_model(stage, plan, runtime)  # the same context kind on every stage
         compiled += compile_blocks(stage) if cfg.train.compile else 0  # tp inside, recomputation around
         apply_activation_checkpointing(stage, cfg.train.activation_checkpoint)
@@ -123,7 +143,8 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
                          getattr(dp, "param_device", None), getattr(dp, "materialize", materialize))
     runner = None
     if pipeline:
-        shapes = StageShapes(cfg.train.micro_batch_size, cfg.data.seq_len, cfg.model.dim, cfg.model.vocab_size,
+        local_len = cfg.data.seq_len // runtime.cp.size  # a stage runs this rank's shard of each sequence
+        shapes = StageShapes(cfg.train.micro_batch_size, local_len, cfg.model.dim, cfg.model.vocab_size,
                              param_dtype)
         runner = build_pipeline(model, pipeline, runtime, dp, shapes, weights=weights,
                                 tied=cfg.model.tie_embeddings, autocast=lambda: runtime.acc.autocast(dtype),
@@ -133,8 +154,11 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
     logits_loss = logits_loss_for(tp_ctx, cfg.model.vocab_size)
     if head is not None and head.deferred:
         logits_loss = deferred_loss(head, lambda: runtime.acc.autocast(dtype))
-    loss = ModelLoss(logits_loss, head)
-    return BuiltModel(model, dp, loss, runner, tp_ctx, num_params, flops, adapters, timer)
+    if cp is None:
+        loss = ModelLoss(logits_loss, head)
+    else:
+        loss = ContextParallelLoss(ModelLoss(sharded_logits_loss(logits_loss, cp), head), cp, eot_id)
+    return BuiltModel(model, dp, loss, runner, tp_ctx, cp, num_params, flops, adapters, timer)
 
 
 def place_model(runtime: Runtime, module: nn.Module, cfg: Config, seed: int) -> BuiltModel:
@@ -156,7 +180,7 @@ def place_model(runtime: Runtime, module: nn.Module, cfg: Config, seed: int) -> 
     if on_meta:
         materialize(module, runtime.device, seed)
     num_params = sum(p.numel() for p in module.parameters())
-    return BuiltModel(module, dp, None, None, None, num_params, 0.0)
+    return BuiltModel(module, dp, None, None, None, None, num_params, 0.0)
 
 
 @torch.no_grad()

@@ -13,6 +13,10 @@
   hands the schedule its input and `ModelLoss.logits_loss` scores that.
 - Without it (train.chunked_loss false, the 2d/2.5d/3d grids): logits, scored by the tp
   context's vocabulary-parallel cross-entropy under tp, plain cross-entropy otherwise.
+- Under context parallelism (`ContextParallelLoss`) each rank scores its shard of every
+  sequence: its mean times (its scored tokens x cp / the cp group's), so the cp ranks'
+  losses average to the micro-batch's mean over all its tokens (never a mean of means),
+  and the gradient average over dp x cp is the single process's gradient.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from polytrain.config import TrainConfig
+from polytrain.distributed.collectives import all_reduce
+from polytrain.distributed.context_parallel import ContextParallel
+from polytrain.distributed.context_parallel.apply import begin_batch
 from polytrain.distributed.topology import ParallelDims
-from polytrain.train.chunked_loss import LossHead, ScoringHead
+from polytrain.train.chunked_loss import IGNORE_INDEX, LossHead, ScoringHead
 
 LogitsLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -87,3 +94,53 @@ class ModelLoss:
             with self.head.scoring(targets):
                 return model(*args)  # the head returns the mean loss, no (B, T', V) logits
         return self.logits_loss(model(*args), targets)  # logits (B, T', V or V/tp)
+
+
+def shard_weighted(mean: torch.Tensor, targets: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """A rank's mean loss over its shard's scored `targets` -> its share x cp of the group's mean."""
+    if cp.groups.size == 1:  # the shard is the whole sequence
+        return mean
+    scored = (targets != IGNORE_INDEX).sum().float()
+    total = all_reduce(scored, cp.groups.cp).clamp(min=1.0)  # the whole sequences' scored tokens
+    return mean * (scored * cp.groups.size / total)
+
+
+def _never_empty(targets: torch.Tensor) -> torch.Tensor:
+    """`targets` with its first entry scored (id 0) when nothing is: the mean is then finite and
+    shard_weighted multiplies it by 0, where a mean over no token would be NaN. No host sync."""
+    flat = targets.reshape(-1).clone()
+    flat[0] = torch.where((flat != IGNORE_INDEX).any(), flat[0], torch.zeros_like(flat[0]))
+    return flat.view_as(targets)
+
+
+def sharded_logits_loss(logits_loss: LogitsLoss, cp: ContextParallel) -> LogitsLoss:
+    """`logits_loss` on this rank's shard (logits (B, T/P, V), targets (B, T/P)), weighted by shard_weighted."""
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return shard_weighted(logits_loss(logits, _never_empty(targets)), targets, cp)
+    return loss
+
+
+@dataclass(frozen=True)
+class ContextParallelLoss:
+    """ModelLoss on this rank's shard of each sequence: model input, targets, positions, document ids.
+
+    `inner.logits_loss` is already sharded_logits_loss's (a pipeline's last stage calls it);
+    `eot_id`: packed documents end at this token (None: one document per row).
+    """
+
+    inner: ModelLoss
+    cp: ContextParallel
+    eot_id: int | None = None
+
+    @property
+    def logits_loss(self) -> LogitsLoss:
+        return self.inner.logits_loss
+
+    def __call__(self, model: nn.Module, args: list[torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+        tokens = args[0]  # (B, T) whole sequences; every cp rank read the same ones
+        begin_batch(self.cp, tokens, self.eot_id)
+        local = self.cp.shard(targets)
+        if self.inner.head is None or self.inner.head.deferred:  # logits (or a stage's output) scored
+            return self.inner(model, [self.cp.shard(tokens), *args[1:]], local)
+        mean = self.inner(model, [self.cp.shard(tokens), *args[1:]], _never_empty(local))
+        return shard_weighted(mean, local, self.cp)

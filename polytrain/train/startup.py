@@ -6,8 +6,8 @@
 
 `plan_layout` is pure: the command line calls it before it starts any worker, and every
 worker calls it again through `start` (the same function, so the checks cannot drift).
-It runs the degree arithmetic (ParallelDims), the tensor-parallel checks against the
-model, the offload path, the batch divisibility, and the pipeline plan, and freezes the
+It runs the degree arithmetic (ParallelDims), the tensor- and context-parallel checks
+against the model and the sequence, the offload path, the batch divisibility, and the pipeline plan, and freezes the
 result; everything after start-up reads the layout instead of re-deriving it.
 """
 
@@ -21,6 +21,7 @@ from polytrain.backend import get_accelerator
 from polytrain.config import Config, TrainConfig
 from polytrain.data.batch_schedule import check_batch_schedule
 from polytrain.data.objectives import span_counts
+from polytrain.distributed.context_parallel.checks import check_cp_config
 from polytrain.distributed.strategies import zero3_offload
 from polytrain.distributed.offload import check_nvme_path
 from polytrain.distributed.pipeline.plan import PipelinePlan, plan_from_config
@@ -101,6 +102,7 @@ def plan_layout(cfg: Config, world_size: int) -> Layout:
     """Check `cfg` against `world_size` processes; the frozen layout, or one ConfigError line."""
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     check_tensor_parallel(cfg, dims.dp, split_rules(cfg))  # tp against the model, the sequence, ZeRO
+    check_cp_config(cfg, ARCHITECTURES[cfg.model.arch].kind)  # cp against the sequence, heads, other axes
     p = cfg.parallel
     if "nvme" in (p.offload, p.offload_params) and p.nvme_path:
         check_nvme_path(p.nvme_path)  # here, not at load: another machine may read the config

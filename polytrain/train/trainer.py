@@ -32,10 +32,13 @@ from polytrain.config import Config, to_toml
 from polytrain.data import GlobalBatchSampler, TokenDataset, val_batches
 from polytrain.data.batch_schedule import BatchSchedule
 from polytrain.data.blended import training_windows
+from polytrain.data.needle import PasskeyDataset
 from polytrain.data.objectives import build_objective, reserved_ids
+from polytrain.distributed.context_parallel.apply import ShardedData
 from polytrain.distributed.watchdog import Watchdog, hang_directory
 from polytrain.distributed.world import max_over_world, mean_over_world, together
 from polytrain.errors import ConfigError, TrainingDiverged
+from polytrain.inference.cp_generate import generate_cp
 from polytrain.inference.generate import generate
 from polytrain.lora import lora_record
 from polytrain.models.registry import shape_config
@@ -73,8 +76,10 @@ class Trainer:
         # What the model reads and the loss scores: causal LM, BERT's masked LM or T5's span corruption.
         self.objective = build_objective(cfg, self.tokenizer)
         self.autocast_dtype = AUTOCAST[cfg.train.precision]
-        built = build_model(self.runtime, cfg, self.layout.pipeline, run_dir=self.run_dir)
+        built = build_model(self.runtime, cfg, self.layout.pipeline, run_dir=self.run_dir,
+                            eot_id=self.tokenizer.eot_id)
         self.model, self.dp, self.loss, self.pipeline = built.model, built.dp, built.loss, built.pipeline
+        self.cp = built.cp
         self.num_params, self.flops_per_token = built.num_params, built.flops_per_token
         self.compile_timer = built.compile_timer  # train.compile: reported after the first step
         self.num_adapter_params = built.num_adapter_params
@@ -83,7 +88,8 @@ class Trainer:
         self.base = f"init:{cfg.run.seed}" if lo.rank and lo.only_optimize else None
         # The optimizer whose param_groups carry the learning rate (ZeRO: the one over master shards).
         self.optimizer = self.dp.build_optimizer(self.model, cfg.train)
-        self.train_data, self.val_data = self.corpus.train, self.corpus.val  # one corpus, or a blend
+        seq_len = cfg.data.seq_len
+        self.train_data, self.val_data = self._datasets(seq_len)
         rt = self.runtime
         self.sampler = GlobalBatchSampler(len(self.train_data), self.batch.global_batch_size, cfg.run.seed,
                                           rt.dp_rank, rt.dp_size)
@@ -138,6 +144,20 @@ class Trainer:
         theirs = together(None if main else lambda: training_windows(
             self.cfg.data, self._tokenizer_vocab(), self.cfg.run.seed))
         return ours if main else theirs
+
+    def _datasets(self, seq_len: int):
+        """(train, validation) windows: the corpus's tokens, or pass-key retrieval over its text
+        (data.task); under pipeline and context parallelism they come out as this rank's shard."""
+        d = self.cfg.data
+        if d.task == "passkey":  # every token scored: the haystack's language modelling teaches the copying
+            train = PasskeyDataset(self.tokenizer, seq_len, self.cfg.run.seed, source=d.source, score="all")
+            val = PasskeyDataset(self.tokenizer, seq_len, self.cfg.run.seed + 1, source=d.source, score="all")
+        else:  # one corpus, or a blend (data.sources), in windows of data.seq_len
+            train, val = self.corpus.train, self.corpus.val
+        if self.pipeline is not None and self.cp is not None:  # the runner reads its batches itself
+            eot = self.tokenizer.eot_id if d.packed_documents else None
+            train, val = ShardedData(train, self.cp, eot), ShardedData(val, self.cp, eot)
+        return train, val
 
     def _tokenizer_vocab(self) -> int:
         # The objective's special ids ([MASK], T5's sentinels) take the top of the model's vocabulary.
@@ -290,9 +310,12 @@ class Trainer:
     def sample(self, prompt: str = SAMPLE_PROMPT) -> str:
         """Text generated from `prompt` (all ranks run it: sharded models gather collectively)."""
         ids = self.tokenizer.encode(prompt)
-        new = generate(self.model, [ids], self.cfg.run.sample_tokens, temperature=0.8, top_k=40,
-                       stop_tokens={self.tokenizer.eot_id},
-                       generator=torch.Generator(device=self.device).manual_seed(self.cfg.run.seed))
+        sampling = dict(temperature=0.8, top_k=40, stop_tokens={self.tokenizer.eot_id},
+                        generator=torch.Generator(device=self.device).manual_seed(self.cfg.run.seed))
+        if self.cp is not None and self.cp.groups.size > 1:  # the KV cache sharded like the training sequences
+            return prompt + self.tokenizer.decode(generate_cp(self.model, self.cp, ids, self.cfg.run.sample_tokens,
+                                                              **sampling))
+        new = generate(self.model, [ids], self.cfg.run.sample_tokens, **sampling)
         return prompt + self.tokenizer.decode(new[0])
 
     # ----- the loop -----------------------------------------------------------------
@@ -382,7 +405,8 @@ class Trainer:
         """Two lines on what this run is: model, layout, device, batch."""
         m, t, d = self.cfg.model, self.cfg.train, self.dims
         layout = f"{d.world_size} process(es): " + "".join(
-            f"{name} {n} x " for name, n in (("pp", d.pp), (f"tp {d.tp_mode}", d.tp)) if n > 1) + f"dp {d.dp}" + (
+            f"{name} {n} x " for name, n in (("pp", d.pp), (f"tp {d.tp_mode}", d.tp), (self._cp_name(), d.cp))
+            if n > 1) + f"dp {d.dp}" + (
             " (sequence parallel)" if d.sp else "") + (
             f", ZeRO-{d.zero} over {d.dp_shard}" if d.zero else "") + (
             f" (x{d.dp_replicate} replicas)" if d.zero == 3 else "")
@@ -400,6 +424,11 @@ class Trainer:
                 + (f"; ramped up from {t.batch_rampup_start} by {t.batch_rampup_increment} over "
                    f"{t.batch_rampup_samples} samples" if self.batch_schedule.ramps else "") + ") | "
                 f"{self.cfg.run.steps} steps | {self.cfg.train.precision} | run dir {self.run_dir}")
+
+    def _cp_name(self) -> str:
+        d = self.dims
+        return f"cp {d.cp_mode}" + (f" ({d.cp_ulysses} Ulysses x {d.cp // d.cp_ulysses} ring)"
+                                    if d.cp_mode == "hybrid" else "")
 
     def _mfu(self, tokens_per_s: float) -> float | None:
         peak = self.acc.peak_flops(self.autocast_dtype)

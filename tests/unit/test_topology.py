@@ -20,14 +20,14 @@ def test_dp_defaults_to_the_whole_world():
 
 
 def test_zero3_shards_over_all_dp_or_a_group():
-    assert dims(4, "--parallel.zero", "3").shape == (1, 1, 4, 1)
-    assert dims(4, "--parallel.zero", "3", "--parallel.zero_shard", "2").shape == (1, 2, 2, 1)
+    assert dims(4, "--parallel.zero", "3").shape == (1, 1, 4, 1, 1)
+    assert dims(4, "--parallel.zero", "3", "--parallel.zero_shard", "2").shape == (1, 2, 2, 1, 1)
 
 
 @pytest.mark.parametrize("stage", ["1", "2"])
 def test_zero12_shards_over_all_dp(stage):
     d = dims(4, "--parallel.zero", stage)
-    assert d.shape == (1, 1, 4, 1) and d.zero == int(stage)
+    assert d.shape == (1, 1, 4, 1, 1) and d.zero == int(stage)
 
 
 def test_grad_accumulation_fills_the_global_batch():
@@ -55,7 +55,7 @@ def test_inconsistent_degrees(world, args, message):
 
 def test_model_parallel_degrees_leave_the_rest_to_dp():
     d = dims(8, "--parallel.tp", "2", "--parallel.pp", "2")
-    assert (d.dp, d.tp, d.pp, d.shape) == (2, 2, 2, (2, 2, 1, 2))
+    assert (d.dp, d.tp, d.pp, d.shape) == (2, 2, 2, (2, 2, 1, 1, 2))
 
 
 def test_two_nodes_of_four_tp_stays_inside_a_node_and_dp_spans_nodes():
@@ -63,7 +63,7 @@ def test_two_nodes_of_four_tp_stays_inside_a_node_and_dp_spans_nodes():
     d = dims(8, "--parallel.tp", "2")
     assert d.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert d.groups("dp_replicate") == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    assert d.coordinates(5) == {"pp": 0, "dp_replicate": 2, "dp_shard": 0, "tp": 1}
+    assert d.coordinates(5) == {"pp": 0, "dp_replicate": 2, "dp_shard": 0, "cp": 0, "tp": 1}
 
 
 def test_two_nodes_of_four_pipeline_stages_go_across_nodes():
@@ -80,4 +80,15 @@ def test_coordinates_match_the_device_mesh_layout():
     layout = torch.arange(8).reshape(d.shape)
     for rank in range(8):
         c = d.coordinates(rank)
-        assert layout[c["pp"], c["dp_replicate"], c["dp_shard"], c["tp"]].item() == rank
+        assert layout[c["pp"], c["dp_replicate"], c["dp_shard"], c["cp"], c["tp"]].item() == rank
+
+
+def test_context_parallel_sits_inside_data_parallel_and_outside_tp():
+    """cp groups are consecutive tp groups: ranks that talk every layer stay close."""
+    d = dims(8, "--parallel.tp", "2", "--parallel.cp", "2")
+    assert (d.dp, d.cp, d.tp, d.grad_ranks) == (2, 2, 2, 4)
+    assert d.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert d.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert d.groups("dp_replicate") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    with pytest.raises(ConfigError, match="parallel.cp x parallel.tp x parallel.pp = 4 x 2 x 1"):
+        dims(6, "--parallel.tp", "2", "--parallel.cp", "4")

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from polytrain.models.common.documents import DocumentMask
 from polytrain.models.common.kv_cache import KVCache
 from polytrain.models.common.rope import apply_rope
 
@@ -61,7 +62,8 @@ class Attention(nn.Module):
 
         rope_cos/rope_sin: (T, D/2) or (B, T, D/2) for these tokens' positions; None = no RoPE.
         mask: boolean (B or 1, 1, T, S), True = may attend, or additive float
-        (B or 1, H or 1, T, S); None = causal (or full, for a bidirectional layer).
+        (B or 1, H or 1, T, S), or a DocumentMask (packed documents, no cache);
+        None = causal (or full, for a bidirectional layer).
         """
         B, T, _ = x.shape
         q, k, v = self.project(x)
@@ -71,17 +73,21 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
         if cache is not None:
             k, v = cache.update(self.layer_id, k, v, start_pos)  # (B, Hkv, S, D)
-        out = self.core(q, *repeat_kv(q, k, v), mask)
+        out = self.core(q, k, v, mask)
         out = out.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * D)
         return self.resid_dropout(self.wo(out))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              mask: torch.Tensor | None) -> torch.Tensor:
-        """softmax(scale q k^T + mask) v: q (B, H, T, D), k and v (B, H, S, D) -> (B, H, T, D).
+        """softmax(scale q k^T + mask) v: q (B, H, T, D), k and v (B, Hkv, S, D) -> (B, H, T, D).
 
         Its own method so selective activation checkpointing can recompute just this
-        part, whose saved activations grow with T * S.
+        part, whose saved activations grow with T * S, and so context parallelism can
+        replace it (it sees the key/value heads before they are repeated for the queries).
         """
+        k, v = repeat_kv(q, k, v)
+        if isinstance(mask, DocumentMask):
+            mask = mask.dense(self.causal)
         causal = self.causal and mask is None and q.shape[2] > 1
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
                                               dropout_p=self.dropout if self.training else 0.0)

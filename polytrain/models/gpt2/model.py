@@ -18,6 +18,7 @@ import torch.nn as nn
 from polytrain.config import ModelConfig
 from polytrain.models.common.attention import Attention
 from polytrain.models.common.base import ModelBase, check_resolved
+from polytrain.models.common.documents import attention_mask
 from polytrain.models.common.kv_cache import KVCache
 from polytrain.models.common.mlp import FeedForward
 
@@ -65,26 +66,28 @@ class GPT2(ModelBase):
         self.tie_weights()
         self._record_shapes()
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
-                start_pos: int = 0) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, vocab_size); a KV cache works as for Llama.
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
+                positions: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab_size); a KV cache, positions and documents work as for Llama.
 
         Left-padded rows (cache.pad) take their positions from their first real token,
         as the row alone would.
         """
         T = tokens.shape[1]
-        if start_pos + T > self.cfg.max_seq_len:
-            raise ValueError(f"positions up to {start_pos + T} exceed model.max_seq_len = "
+        end = start_pos + T if positions is None else int(positions.max()) + 1
+        if end > self.cfg.max_seq_len:
+            raise ValueError(f"positions up to {end} exceed model.max_seq_len = "
                              f"{self.cfg.max_seq_len} (the learned position table)")
         if self.tok_embeddings is not None:
             device = tokens.device
-            positions = cache.positions(start_pos, T, device) if cache is not None else None
+            if positions is None and cache is not None:
+                positions = cache.positions(start_pos, T, device)
             if positions is None:
                 positions = torch.arange(start_pos, start_pos + T, device=device)  # (T,)
             h = self.dropout(self.tok_embeddings(tokens) + self.pos_embeddings(positions))  # (B, T, dim)
         else:
             h = tokens
-        mask = cache.attn_mask(start_pos, T, h.device) if cache is not None else None
+        mask = attention_mask(T, cache, start_pos, documents, h.device)
         for layer in self.layers.values():
             h = layer(h, cache, start_pos, mask)
         if self.norm is not None:

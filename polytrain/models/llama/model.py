@@ -18,6 +18,7 @@ import torch.nn as nn
 from polytrain.config import ModelConfig
 from polytrain.models.common.attention import Attention
 from polytrain.models.common.base import ModelBase, check_resolved, head_dim
+from polytrain.models.common.documents import attention_mask
 from polytrain.models.common.kv_cache import KVCache
 from polytrain.models.common.mlp import FeedForward
 from polytrain.models.common.norms import RMSNorm
@@ -78,43 +79,47 @@ class Llama(ModelBase):
         self.register_buffer("rope_sin", sin, persistent=False)
         self._record_shapes()
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
-                start_pos: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
+                positions: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, vocab_size), in the dtype the output projection produces.
 
         With a cache, the tokens occupy slots start_pos..start_pos+T-1 and attend to
         every earlier cached slot. On a pipeline stage without tok_embeddings, `tokens`
         is already hidden states (B, T, dim); without output, hidden states are returned.
+        positions (T,) or (B, T): each token's RoPE position where it is not its slot (packed
+        documents restart at 0; a shard of a longer sequence keeps its global positions).
+        documents (B, T): document ids of packed sequences (no cache); attention stays
+        inside each document (models/common/documents.py).
         """
         T = tokens.shape[1]
-        if start_pos + T > self.cfg.max_seq_len:
-            raise ValueError(f"positions up to {start_pos + T} exceed model.max_seq_len = "
+        end = start_pos + T if positions is None else int(positions.max()) + 1
+        if end > self.cfg.max_seq_len:
+            raise ValueError(f"positions up to {end} exceed model.max_seq_len = "
                              f"{self.cfg.max_seq_len}")
         h = tokens  # a stage without the embedding receives hidden states (B, T, dim)
         if self.tok_embeddings is not None:
             h = self.dropout(self.tok_embeddings(tokens))  # (B, T, dim)
-        rope_cos, rope_sin, mask = self.attention_inputs(T, cache, start_pos, h.device)
+        rope_cos, rope_sin, mask = self.attention_inputs(T, cache, start_pos, h.device, positions, documents)
         for layer in self.layers.values():
             h = layer(h, rope_cos, rope_sin, cache, start_pos, mask)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
 
-    def attention_inputs(self, seqlen: int, cache: KVCache | None, start_pos: int,
-                          device: torch.device):
+    def attention_inputs(self, seqlen: int, cache: KVCache | None, start_pos: int, device: torch.device,
+                         positions: torch.Tensor | None = None, documents: torch.Tensor | None = None):
         """RoPE cos/sin, (T, D/2) or per-row (B, T, D/2), and the attention mask (None = causal)."""
-        positions = cache.positions(start_pos, seqlen, device) if cache is not None else None
+        mask = attention_mask(seqlen, cache, start_pos, documents, device)
+        if positions is None and cache is not None:
+            positions = cache.positions(start_pos, seqlen, device)
         end = start_pos + seqlen
         # Dynamic NTK scaling picks its tables by the longest position in use, as HF does.
         longest = end if positions is None or self.rope_scaling.kind != "dynamic" else int(positions.max()) + 1
         cos, sin = rope_for_length(self.rope_cos, self.rope_sin, longest, self.cfg.rope_theta,
                                    self.rope_scaling)
         if positions is None:  # every row's positions are its slots
-            rope_cos, rope_sin = cos[start_pos:end], sin[start_pos:end]
-        else:
-            rope_cos, rope_sin = cos[positions], sin[positions]
-        mask = cache.attn_mask(start_pos, seqlen, device) if cache is not None else None
-        return rope_cos, rope_sin, mask
+            return cos[start_pos:end], sin[start_pos:end], mask
+        return cos[positions], sin[positions], mask
 
     def init_buffers(self) -> None:
         """Recompute the RoPE tables on the device the buffers are on now (after to_empty)."""

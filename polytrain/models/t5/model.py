@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from polytrain.config import ModelConfig
-from polytrain.models.common.attention import Attention, repeat_kv
+from polytrain.models.common.attention import Attention
 from polytrain.models.common.base import ModelBase, check_resolved, head_dim
 from polytrain.models.common.kv_cache import KVCache
 from polytrain.models.common.mlp import FeedForward
@@ -75,7 +75,7 @@ class CrossAttention(Attention):
             return k, self.wv(memory).view(B, S, -1, self.head_dim).transpose(1, 2)
 
         k, v = cache.fixed(self.layer_id, keys_values) if cache is not None else keys_values()
-        out = self.core(q, *repeat_kv(q, k, v), mask)
+        out = self.core(q, k, v, mask)
         return self.resid_dropout(self.wo(out.transpose(1, 2).reshape(B, T, -1)))
 
 
