@@ -51,7 +51,8 @@ class BuiltModel:
     dp: DataParallel
     """Its data-parallel strategy: build_optimizer, gradient sync, clipping, step, state dict."""
     loss: ModelLoss | None
-    """A micro-batch's mean loss (None for a user's model, whose forward computes its own)."""
+    """A micro-batch's mean loss (None for a user's model, whose forward computes its own, and
+    for a value model, whose loss is its caller's: rlhf's reward and value losses)."""
     pipeline: PipelineRunner | None
     tp_ctx: Context | None
     """What its tensor-parallel layers share (None without tp)."""
@@ -72,7 +73,8 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
         model = arch.build(cfg.model)
     num_params, flops = model.num_params(), model.flops_per_token(cfg.data.seq_len)
     stages = split_model(model, pipeline, runtime.axis_rank("pp")) if pipeline else {"": model}
-    head = attach_loss_head(model, cfg.train, runtime.dims, pipelined=pipeline is not None)
+    lm = cfg.model.head == "lm"  # a value model (reward model, critic) returns values: no LM loss head
+    head = attach_loss_head(model, cfg.train, runtime.dims, pipelined=pipeline is not None) if lm else None
     plan = arch.tp_plan(cfg.model) if runtime.dims.tp > 1 else None
     tp_ctx = None
     for stage in stages.values():
@@ -88,7 +90,7 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
                                 tied=cfg.model.tie_embeddings, autocast=lambda: runtime.acc.autocast(dtype))
     else:
         materialize(model, runtime.device, cfg.run.seed)
-    loss = ModelLoss(logits_loss_for(tp_ctx, cfg.model.vocab_size), head)
+    loss = ModelLoss(logits_loss_for(tp_ctx, cfg.model.vocab_size), head) if lm else None
     return BuiltModel(model, dp, loss, runner, tp_ctx, num_params, flops)
 
 
