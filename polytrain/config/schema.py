@@ -224,9 +224,9 @@ class RLHFConfig:
     """Shares of each preference source for steps 1, 2, 3 (DeepSpeed-Chat's data_split), disjoint parts."""
     prompt_template: str = "{prompt}"
     """A row's prompt as the model reads it: a template with {prompt}, or 'chat' (the tokenizer's chat template)."""
-    max_prompt_len: int = 256
+    max_prompt_len: int = 128
     """Longest prompt in tokens; a longer one is an error naming its row."""
-    max_new_tokens: int = 256
+    max_new_tokens: int = 128
     """Step 3: longest sampled response in tokens."""
     sft_mask_prompt: bool = False
     """Step 1: score only the response tokens (DeepSpeed-Chat scores the prompt too)."""

@@ -63,8 +63,10 @@ class StepRun:
             if extra.is_file():
                 shutil.copyfile(extra, self.dir / "tokenizer_config.json")
                 return
-        template = chat_template_for(self.cfg.rlhf.prompt_template)
-        (self.dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}, indent=1) + "\n")
+        eot = self.run.tokenizer.hf.id_to_token(self.run.tokenizer.eot_id)
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eot, "bos_token": eot, "unk_token": eot,
+                  "chat_template": chat_template_for(self.cfg.rlhf.prompt_template)}
+        (self.dir / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
 
     def state(self, step: int, sampler: dict[str, Any], role: RoleModel) -> TrainerState:
         """The trainer.json of a checkpoint at `step` of `role`'s model (the one `polytrain chat` loads)."""

@@ -111,3 +111,18 @@ def test_grpo_with_ema_and_ptx_then_chat(run, tmp_path):
         out = io.StringIO()
         repl(Chat(load_run(run_dir), run_dir, max_new_tokens=4), ["sort 3 1 2\n"], out)
         assert out.getvalue().count("> ") == 2  # one reply, then the next prompt
+
+
+def test_the_actor_from_an_hf_directory_and_the_reward_model_from_a_run(run, tmp_path):
+    from polytrain.convert import export_hf
+
+    hf = export_hf(run / "sft", tmp_path / "sft_hf")  # step 1's actor as a Hugging Face model
+    again = tmp_path / "again"
+    assert main(_args(again, "--rlhf.actor_from", str(hf), "--rlhf.reward_from", str(run / "reward"),
+                      "--rlhf.steps", "1,2", "--run.steps", "1")) == 0
+    assert (again / "base" / "actor" / "checkpoints" / "step_0").is_dir()  # imported once
+    # Both start from the given weights: the first held-out rows equal the old runs' last ones.
+    for step, key in (("sft", "val_loss"), ("reward", "accuracy")):
+        old = [r for r in read_metrics(run / step) if key in r][-1]
+        new = [r for r in read_metrics(again / step) if key in r][0]
+        assert new["step"] == 0 and new[key] == pytest.approx(old[key], rel=1e-5), step
