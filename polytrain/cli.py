@@ -1,6 +1,7 @@
-"""`polytrain` command line: train, generate, chat, eval, prepare, consolidate, convert, run.
+"""`polytrain` command line: train, rlhf, plan, generate, chat, eval, prepare, consolidate, convert, run.
 
     polytrain train [--config FILE.toml] [--deepspeed_config ds_config.json] [--section.key VALUE ...]
+    polytrain rlhf [--config FILE.toml] [--section.key VALUE ...]   (SFT -> reward model -> PPO/GRPO)
     polytrain generate RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--parallel.cp N]
     polytrain chat RUN_DIR [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--parallel.cp N]
     polytrain eval needle RUN_DIR [--lengths 1k,4k,16k] [--depths 0,25,50,75,100] [--repeats N] [--out DIR] [--parallel.cp N]
@@ -160,6 +161,28 @@ def _cp_sampler(args, run):
     finally:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _rlhf(argv: list[str]) -> int:
+    from polytrain.config import help_text
+    from polytrain.rlhf.__main__ import run_worker
+    from polytrain.train.__main__ import config_from_argv
+
+    if "-h" in argv or "--help" in argv:
+        print("usage: polytrain rlhf [--config FILE.toml] [--section.key VALUE ...]\n\n"
+              "Runs step 1 (SFT), step 2 (reward model) and step 3 (PPO or GRPO) in runs/<name>/{sft,reward,ppo};\n"
+              "finished steps are skipped, unfinished ones resume. Steps 1 and 2 read [train] and [parallel];\n"
+              "the rlhf.<role>_* keys give each model its own layout.\n")
+        print(help_text())
+        return 0
+    cfg = config_from_argv(argv)
+    if cfg.parallel.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        from polytrain.rlhf.run import check_rlhf
+        from polytrain.train.launch import launch_local_workers
+
+        check_rlhf(cfg, cfg.parallel.nproc)  # fail here, before starting workers
+        return launch_local_workers(cfg.parallel.nproc, argv, module="polytrain.rlhf")
+    return run_worker(argv, cfg)
 
 
 def _generate(argv: list[str]) -> int:
@@ -421,8 +444,8 @@ def _plan(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "plan": _plan, "generate": _generate, "prepare": _prepare, "consolidate": _consolidate,
-            "convert": _convert, "chat": _chat, "run": _run, "eval": _eval}
+COMMANDS = {"train": _train, "rlhf": _rlhf, "plan": _plan, "generate": _generate, "chat": _chat, "eval": _eval,
+            "prepare": _prepare, "consolidate": _consolidate, "convert": _convert, "run": _run}
 
 
 def main(argv: list[str] | None = None) -> int:

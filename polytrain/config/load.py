@@ -252,7 +252,7 @@ def _validate_lora(cfg: Config) -> None:
 
 def _validate_rlhf(r: RLHFConfig) -> None:
     """Ranges of the rlhf keys; the step list, sources and split are checked where `polytrain rlhf` reads them."""
-    for key in ("max_prompt_len", "max_new_tokens", "task_pairs", "task_demos"):
+    for key in ("max_prompt_len", "max_new_tokens", "task_pairs", "task_demos", "eval_rows"):
         if getattr(r, key) <= 0:
             raise ConfigError(f"rlhf.{key} = {getattr(r, key)} must be positive")
     for key in ("kl_coef", "reward_clip", "policy_clip", "value_clip", "grpo_kl_coef", "ptx_coef", "temperature"):
@@ -261,6 +261,10 @@ def _validate_rlhf(r: RLHFConfig) -> None:
     for key in ("gamma", "lam", "top_p", "ema_beta"):
         if not 0 <= getattr(r, key) <= 1:
             raise ConfigError(f"rlhf.{key} = {getattr(r, key)} must be in [0, 1]")
+    for key in ("sft_steps", "reward_steps", "ppo_steps", "sft_lr", "reward_lr", "actor_lr", "critic_lr",
+                "actor_tp", "reference_tp", "reward_tp", "critic_tp"):
+        if getattr(r, key) < 0:
+            raise ConfigError(f"rlhf.{key} = {getattr(r, key)} must be >= 0 (0 = the default it names)")
     if r.top_k < 0:
         raise ConfigError(f"rlhf.top_k = {r.top_k} must be >= 0 (0 = all tokens)")
     if r.group_size < 2:

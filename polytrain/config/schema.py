@@ -87,6 +87,8 @@ class ModelConfig:
     """Epsilon of the norms (RMSNorm; LayerNorm for gpt2 and bert; T5's RMS-style LayerNorm)."""
     tie_embeddings: bool = False
     """Share the token embedding with the output projection."""
+    head: str = _choices("lm", "value")
+    """Output: lm = next-token logits; value = one scalar per token (reward model, critic; decoders, untied)."""
     dropout: float = 0.0
     """Dropout probability in training on attention weights, the embedding, attention and MLP outputs (0 = off)."""
     output_scale: bool = False
@@ -255,9 +257,9 @@ class RLHFConfig:
     """Shares of each preference source for steps 1, 2, 3 (DeepSpeed-Chat's data_split), disjoint parts."""
     prompt_template: str = "{prompt}"
     """A row's prompt as the model reads it: a template with {prompt}, or 'chat' (the tokenizer's chat template)."""
-    max_prompt_len: int = 256
+    max_prompt_len: int = 128
     """Longest prompt in tokens; a longer one is an error naming its row."""
-    max_new_tokens: int = 256
+    max_new_tokens: int = 128
     """Step 3: longest sampled response in tokens."""
     sft_mask_prompt: bool = False
     """Step 1: score only the response tokens (DeepSpeed-Chat scores the prompt too)."""
@@ -291,6 +293,56 @@ class RLHFConfig:
     """Step 3: EMA decay per step."""
     ptx_coef: float = 0.0
     """Step 3: weight of a language-model loss on step 1's data after each actor step (0 = off; DS-Chat 27.8)."""
+    actor_from: str = ""
+    """Step 1's starting actor: "" = the [model] section (a preset, weights seeded by name), or an HF model or polytrain run directory."""
+    reward_from: str = ""
+    """Step 2's starting reward model: "" = the SFT actor, a size preset of the actor's architecture, or an HF / polytrain run directory."""
+    sft_steps: int = 0
+    """Step 1: optimizer steps (0 = run.steps)."""
+    reward_steps: int = 0
+    """Step 2: optimizer steps (0 = run.steps)."""
+    ppo_steps: int = 0
+    """Step 3: rollouts, each followed by one actor (and critic) step (0 = run.steps)."""
+    sft_lr: float = 0.0
+    """Step 1: peak learning rate (0 = train.lr)."""
+    reward_lr: float = 0.0
+    """Step 2: peak learning rate (0 = train.lr)."""
+    actor_lr: float = 0.0
+    """Step 3: the actor's peak learning rate (0 = train.lr)."""
+    critic_lr: float = 0.0
+    """Step 3: the critic's peak learning rate (0 = train.lr)."""
+    eval_rows: int = 256
+    """Rows held out of steps 2 and 3's parts: step 2's accuracy pairs, step 3's evaluation prompts (at most a quarter)."""
+    actor_zero: int = field(default=-1, metadata={"choices": (-1, 0, 1, 2, 3)})
+    """Actor (steps 1 and 3): ZeRO stage 0-3 (-1 = parallel.zero)."""
+    actor_tp: int = 0
+    """Actor (steps 1 and 3): tensor-parallel degree (0 = parallel.tp)."""
+    actor_offload: str = _choices("", "none", "cpu", "nvme")
+    """Actor (steps 1 and 3): ZeRO-1/2 state offload none / cpu / nvme ("" = parallel.offload)."""
+    actor_precision: str = _choices("", "fp32", "bf16", "fp16")
+    """Actor (steps 1 and 3): compute precision ("" = train.precision)."""
+    reference_zero: int = field(default=-1, metadata={"choices": (-1, 0, 1, 2, 3)})
+    """Step 3's frozen reference: 3 shards its parameters, 0-2 replicate them (-1 = the actor's)."""
+    reference_tp: int = 0
+    """Step 3's reference: tensor-parallel degree (0 = the actor's)."""
+    reference_precision: str = _choices("", "fp32", "bf16", "fp16")
+    """Step 3's reference: compute precision ("" = the actor's)."""
+    reward_zero: int = field(default=-1, metadata={"choices": (-1, 0, 1, 2, 3)})
+    """Reward model: ZeRO stage in step 2; frozen in step 3, 3 shards its parameters, 0-2 replicate (-1 = parallel.zero)."""
+    reward_tp: int = 0
+    """Reward model (steps 2 and 3): tensor-parallel degree (0 = parallel.tp)."""
+    reward_offload: str = _choices("", "none", "cpu", "nvme")
+    """Reward model (step 2): ZeRO-1/2 state offload ("" = parallel.offload)."""
+    reward_precision: str = _choices("", "fp32", "bf16", "fp16")
+    """Reward model (steps 2 and 3): compute precision ("" = train.precision)."""
+    critic_zero: int = field(default=-1, metadata={"choices": (-1, 0, 1, 2, 3)})
+    """Step 3's critic: ZeRO stage 0-3 (-1 = the reward model's)."""
+    critic_tp: int = 0
+    """Step 3's critic: tensor-parallel degree (0 = the reward model's)."""
+    critic_offload: str = _choices("", "none", "cpu", "nvme")
+    """Step 3's critic: ZeRO-1/2 state offload ("" = the reward model's)."""
+    critic_precision: str = _choices("", "fp32", "bf16", "fp16")
+    """Step 3's critic: compute precision ("" = the reward model's)."""
     task_pairs: int = 4000
     """Built-in task: preference rows generated (split by data_split)."""
     task_demos: int = 4000

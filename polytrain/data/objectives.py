@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from polytrain.config import Config
+from polytrain.errors import ConfigError
 from polytrain.models import ARCHITECTURES
 from polytrain.models.common.init import seed_for
 from polytrain.models.registry import objective_name
@@ -71,6 +72,9 @@ def reserved_ids(cfg: Config) -> int:
 
 def build_objective(cfg: Config, tokenizer):
     """The objective of this run's architecture (train.objective) for its data and tokenizer."""
+    if cfg.model.head != "lm":
+        raise ConfigError("model.head = 'value' models learn from preferences, not a pre-training objective: "
+                          "train them with `polytrain rlhf` (step 2), or set model.head = 'lm'")
     name, vocab, seed = objective_name(cfg), cfg.model.vocab_size, cfg.run.seed
     special = _special_ids(cfg, tokenizer) or [vocab - 1 - k for k in range(_spans(cfg))]
     if name == "mlm":

@@ -184,6 +184,8 @@ class PhaseData:
     phase: str
     sources: tuple[tuple[Row, ...], ...]
     blend: Blend
+    held_out: tuple[Row, ...] = ()
+    """Rows kept out of `sources` for evaluation (phase_data's hold_out), none of them trained on."""
 
     def __len__(self) -> int:
         return len(self.blend)
@@ -193,9 +195,14 @@ class PhaseData:
         return self.sources[d][j]
 
 
-def phase_data(sources: Sequence[RowSource], split: Sequence[float], phase: str, seed: int) -> PhaseData:
+def phase_data(sources: Sequence[RowSource], split: Sequence[float], phase: str, seed: int,
+               hold_out: int = 0) -> PhaseData:
     """The blended rows of step `phase` ('sft', 'reward' or 'ppo'): part p of every preference source,
-    and for 'sft' every demonstration source whole; ConfigError if a source gives the step no rows."""
+    and for 'sft' every demonstration source whole; ConfigError if a source gives the step no rows.
+
+    `hold_out`: about this many rows (at most a quarter of each part) are taken from the end of
+    every part, in proportion to its size, and kept apart as `held_out` for evaluation.
+    """
     p = PHASES.index(phase)
     parts, weights, names = [], [], []
     for src in sources:
@@ -205,6 +212,8 @@ def phase_data(sources: Sequence[RowSource], split: Sequence[float], phase: str,
             rows = src.rows
         else:
             rows = tuple(src.rows[i] for i in split_indices(len(src.rows), split, seed, src.name)[p])
+            if not split[p]:
+                continue  # a share of 0: the step takes none of this source (e.g. "0,5,5": SFT on demonstrations)
             if not rows and src.weight > 0:
                 shares = ",".join(f"{s:g}" for s in split)
                 raise ConfigError(f"rlhf.data: {src.name} holds {len(src.rows)} row(s) and rlhf.data_split "
@@ -217,5 +226,11 @@ def phase_data(sources: Sequence[RowSource], split: Sequence[float], phase: str,
         kinds = "preference rows" if phase != "sft" else "rows"
         raise ConfigError(f"rlhf.data: step {p + 1} ({phase}) needs {kinds} with a positive weight; "
                           f"the sources are {', '.join(s.name for s in sources)}")
+    held: list[Row] = []
+    if hold_out:
+        share = min(0.25, hold_out / sum(len(r) for r in parts))
+        cut = [int(len(r) * share) for r in parts]
+        held = [row for r, k in zip(parts, cut) for row in r[len(r) - k:]]
+        parts = [r[: len(r) - k] for r, k in zip(parts, cut)]
     blend = Blend([len(r) for r in parts], weights, seed, names=names, key="rlhf.data")
-    return PhaseData(phase, tuple(parts), blend)
+    return PhaseData(phase, tuple(parts), blend, tuple(held))

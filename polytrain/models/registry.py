@@ -67,13 +67,27 @@ class Architecture:
     """encoder-decoder: the token id the decoder's input starts with."""
 
     def build(self, cfg: ModelConfig) -> nn.Module:
-        return importlib.import_module(self.module).build(cfg)
+        """The model of `cfg`; with `head = "value"` its output projection is a scalar head."""
+        model = importlib.import_module(self.module).build(cfg)
+        if cfg.head == "value":
+            from polytrain.models.common.value_head import attach_scalar_head
+
+            attach_scalar_head(model)
+        return model
 
     def tp_plan(self, cfg: ModelConfig) -> Plan:
-        """Module-name patterns -> tensor-parallel roles for a model of this architecture."""
+        """Module-name patterns -> tensor-parallel roles for a model of this architecture.
+
+        A value model's (1, dim) head is replicated (ScalarOutput) where a language model's
+        head is split by vocabulary."""
         if not self.plan_module:
             raise ConfigError(f"model.arch = '{cfg.arch}' has no tensor-parallel plan; set parallel.tp = 1")
-        return importlib.import_module(self.plan_module).tp_plan(cfg)
+        plan = importlib.import_module(self.plan_module).tp_plan(cfg)
+        if cfg.head == "value":
+            from polytrain.models.common.plan import ScalarOutput
+
+            plan = {**plan, "output": ScalarOutput()}
+        return plan
 
     def hf(self):
         """The module with this architecture's Hugging Face mapping (config and tensor names)."""
@@ -171,8 +185,12 @@ def model_config(arch: str, **fields_: Any) -> ModelConfig:
 
 
 def shape_config(m: ModelConfig) -> dict[str, Any]:
-    """The fields that decide parameter shapes (what a checkpoint's model must agree on)."""
-    return {k: getattr(m, k) for k in SHAPE_FIELDS}
+    """The fields that decide parameter shapes (what a checkpoint's model must agree on).
+
+    `head` is named only for value models, so language models' checkpoints written before
+    the key existed still match."""
+    shape = {k: getattr(m, k) for k in SHAPE_FIELDS}
+    return {**shape, "head": m.head} if m.head != "lm" else shape
 
 
 def apply_defaults(cfg: Config) -> None:
@@ -180,7 +198,8 @@ def apply_defaults(cfg: Config) -> None:
     (`cfg.set_keys`), in place."""
     arch = architecture(cfg.model.arch)
     for name, value in arch.defaults.items():
-        if f"model.{name}" not in cfg.set_keys:
+        # A value head has its own weight: the architecture's tying does not apply to it.
+        if f"model.{name}" not in cfg.set_keys and not (name == "tie_embeddings" and cfg.model.head == "value"):
             setattr(cfg.model, name, value)
 
 
@@ -245,6 +264,11 @@ def check_model(m: ModelConfig) -> None:
             raise ConfigError(f"llama3 RoPE scaling needs 0 < model.rope_low_freq_factor < "
                               f"model.rope_high_freq_factor (now {m.rope_low_freq_factor} and "
                               f"{m.rope_high_freq_factor})")
+    if m.head == "value" and arch.kind != "decoder":
+        raise ConfigError(f"model.head = 'value' (a reward model or critic) needs a decoder (llama, gpt2, "
+                          f"internlm2); {m.arch} is an {arch.kind}")
+    if m.head == "value" and m.tie_embeddings:
+        raise ConfigError("model.head = 'value' has its own (1, dim) head: set model.tie_embeddings = false")
     if not 0 <= m.dropout < 1:
         raise ConfigError(f"model.dropout = {m.dropout} must be in [0, 1)")
     if m.rope_original_max_len < 0:

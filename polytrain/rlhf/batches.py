@@ -14,6 +14,7 @@ sees the padding and no attention mask is needed; per-token tensors are the shif
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,6 +48,19 @@ class PromptFormat:
         if self.is_chat:
             return render(self.chat_template, [{"role": "user", "content": prompt}], eos=self.eos)
         return self.template.replace("{prompt}", prompt)
+
+
+DS_CHAT_TURN = " Human: {prompt} Assistant:"
+"""DeepSpeed-Chat's turn format, which its rows' prompts already carry."""
+
+
+def chat_template_for(template: str) -> str:
+    """A Jinja chat template that renders each user turn as training rendered a prompt, for `polytrain chat`
+    of an actor without one: `template` around the message, or DeepSpeed-Chat's turn for "{prompt}"."""
+    turn = DS_CHAT_TURN if template == "{prompt}" else template
+    before, _, after = turn.partition("{prompt}")
+    return ("{% for m in messages %}{% if m['role'] == 'user' %}{{ " + json.dumps(before) + " }}{{ m['content'] }}"
+            "{{ " + json.dumps(after) + " }}{% else %}{{ m['content'] }}{% endif %}{% endfor %}")
 
 
 @dataclass

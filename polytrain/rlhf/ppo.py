@@ -1,111 +1,225 @@
-"""One step of step 3, as DeepSpeed-Chat runs it: experience from a rollout, then the actor's and the critic's losses.
+"""Step 3: PPO or GRPO against the reward model (runs/<name>/ppo), the final actor.
 
-    rollout = rollout(actor, prompts, ...)                         # rollout.py
-    exp = make_experience(rollout, models, cfg.rlhf)               # one no-grad pass of the four models
-    loss, stats = actor_objective(models.actor, exp, cfg.rlhf, count)      # backward, step
-    value = critic_objective(models.critic, exp, cfg.rlhf, count)          # backward, step (PPO only)
+The actor and the frozen reference start from step 1's actor, the critic (PPO) and the
+frozen reward model from step 2's; each is built with its own layout (roles.py). A step
+samples rlhf.group_size responses (GRPO; 1 for PPO) to global_batch_size / group_size of
+step 3's prompts and trains on them once (ppo_engine.py). Per logged step metrics.jsonl
+holds `reward` (the reward model's clipped score), `kl` (log pi - log pi_ref summed over a
+response), `policy_loss`, `value_loss` (PPO), `clip_frac`, `entropy`, `response_len` and
+`task_score`, the true metric of the built-in task (null for a user's data) that shows
+reward hacking the reward model's score hides; every run.eval_every steps and at both
+ends the held-out prompts give `eval_reward` and `eval_task_score`. reward.png draws them.
 
-PPO: per-token rewards -kl_coef (log pi - log pi_ref) with the clipped reward-model score
-at the last response token, GAE advantages against the critic's values, PPO's clipped
-surrogate and the clipped value loss. GRPO: `group_size` samples per prompt (consecutive
-rows), each scored by the reward model, advantages (score - group mean) / group std for
-every token of the response, no critic; the KL to the reference enters the loss as GRPO's
-k3 penalty (coefficient grpo_kl_coef) instead of the reward.
-
-`count` is the number of response tokens in the whole global batch divided by the number
-of data-parallel ranks, so that averaging the ranks' gradients gives the global mean
-(losses.masked_mean).
+The checkpoint holds the actor under `model` (so `polytrain chat`, `generate`,
+`consolidate` and `convert --to hf` read it as any run's model), the critic under
+`critic`, the EMA actor under `ema`; with rlhf.ema the EMA actor is also written as its
+own run directory, runs/<name>/ppo/ema.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
 
-import torch
-import torch.nn as nn
-
-from polytrain.config import RLHFConfig
-from polytrain.rlhf import losses
-from polytrain.rlhf.rollout import Rollout
-
-LogprobFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
-"""(model, ids (B, T)) -> log-probabilities (B, T - 1) of ids[:, 1:] (vocabulary-parallel under tp)."""
-
-
-def plain_logprobs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """Log-probabilities from a model that returns whole logits (B, T - 1, V)."""
-    return losses.token_logprobs(model(ids[:, :-1]), ids[:, 1:])
-
-
-@dataclass
-class Models:
-    """The four models of step 3 (critic None for GRPO), each called as model(ids)."""
-
-    actor: nn.Module
-    reference: nn.Module
-    reward: nn.Module
-    critic: nn.Module | None = None
-    logprobs: LogprobFn = plain_logprobs
+from polytrain.checkpoint import RunDir, save_weights
+from polytrain.config import Config, ModelConfig, to_toml
+from polytrain.data import GlobalBatchSampler
+from polytrain.distributed.world import barrier
+from polytrain.errors import ConfigError
+from polytrain.inference.load import stop_tokens
+from polytrain.models.registry import shape_config
+from polytrain.rlhf.context import RLHFRun
+from polytrain.rlhf.plan import step_dir
+from polytrain.rlhf.plots import plot_panels
+from polytrain.rlhf.ppo_engine import PPOEngine
+from polytrain.rlhf.roles import build_role, role_config
+from polytrain.rlhf.rollout import Rollout, Sampling, TrainingLayoutGeneration
+from polytrain.rlhf.reward import trained_reward_model
+from polytrain.rlhf.sft import lm_loss_of_batch
+from polytrain.rlhf.sources import Start
+from polytrain.rlhf.stepdir import StepRun, checkpoint_path
+from polytrain.train.metrics import plot_loss
 
 
-@dataclass
-class Experience:
-    """Everything the losses need from one rollout, computed without gradients."""
-
-    rollout: Rollout
-    old_logprobs: torch.Tensor
-    """(B, T - 1) the actor's log-probabilities before this step's update."""
-    ref_logprobs: torch.Tensor
-    scores: torch.Tensor
-    """(B,) the reward model's score of each sequence, clipped to +-reward_clip."""
-    advantages: torch.Tensor
-    """(B, T - 1), 0 outside the response."""
-    old_values: torch.Tensor | None = None
-    returns: torch.Tensor | None = None
-
-    @property
-    def mask(self) -> torch.Tensor:
-        return self.rollout.mask
+def step3_configs(cfg: Config, run_dir: Path, actor: ModelConfig, reward: ModelConfig) -> dict[str, Config]:
+    """The four models' configs: the actor's (which is step 3's config.toml), reference, reward, critic."""
+    r = cfg.rlhf
+    steps = r.ppo_steps or cfg.run.steps
+    _check(cfg, actor, reward)
+    configs = {
+        "actor": role_config(cfg, "actor", actor, lr=r.actor_lr or cfg.train.lr, steps=steps),
+        "reference": role_config(cfg, "reference", actor, lr=cfg.train.lr, steps=steps, frozen=True),
+        "reward": role_config(cfg, "reward", reward, lr=cfg.train.lr, steps=steps, frozen=True),
+    }
+    if r.algorithm == "ppo":
+        configs["critic"] = role_config(cfg, "critic", reward, lr=r.critic_lr or cfg.train.lr, steps=steps)
+    actor_run = dataclasses.replace(configs["actor"].run, out_dir=str(step_dir(run_dir, "ppo")))
+    configs["actor"] = dataclasses.replace(configs["actor"], run=actor_run)
+    return configs
 
 
-@torch.no_grad()
-def make_experience(rollout: Rollout, models: Models, settings: RLHFConfig) -> Experience:
-    """The no-grad pass: actor and reference log-probabilities, the reward score, critic values, advantages."""
-    ids, mask = rollout.ids, rollout.mask
-    old = models.logprobs(models.actor, ids)
-    ref = models.logprobs(models.reference, ids)
-    raw = losses.end_scores(models.reward(ids).float(), rollout.lengths)  # (B,)
-    scores = raw.clamp(-settings.reward_clip, settings.reward_clip)
-    if settings.algorithm == "grpo":
-        adv = losses.group_advantages(scores, settings.group_size)[:, None] * mask
-        return Experience(rollout, old, ref, scores, adv)
-    values = models.critic(ids)[:, :-1].float() * mask  # (B, T - 1): value of the state after token t
-    rewards = losses.kl_penalized_rewards(old, ref, raw, mask, settings.kl_coef, settings.reward_clip)
-    adv, returns = losses.gae(rewards, values, mask, settings.gamma, settings.lam)
-    return Experience(rollout, old, ref, scores, adv, values, returns)
+def _check(cfg: Config, actor: ModelConfig, reward: ModelConfig) -> None:
+    r = cfg.rlhf
+    longest = r.max_prompt_len + r.max_new_tokens
+    for name, model in (("actor", actor), ("reward model", reward)):
+        if longest > model.max_seq_len:
+            raise ConfigError(f"rlhf.max_prompt_len + rlhf.max_new_tokens = {longest} exceeds the {name}'s context "
+                              f"(model.max_seq_len = {model.max_seq_len}); lower them")
+    if r.algorithm == "grpo" and cfg.train.global_batch_size % r.group_size:
+        raise ConfigError(f"train.global_batch_size = {cfg.train.global_batch_size} must be a multiple of "
+                          f"rlhf.group_size = {r.group_size} (GRPO samples a group per prompt)")
 
 
-def actor_objective(actor: nn.Module, exp: Experience, settings: RLHFConfig, count: float,
-                    logprobs: LogprobFn = plain_logprobs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The actor's loss on this rank's rows (to backward) and its parts: policy_loss, clip_frac, (kl_loss)."""
-    new = logprobs(actor, exp.rollout.ids)
-    loss, clip_frac = losses.policy_loss(new, exp.old_logprobs, exp.advantages, exp.mask,
-                                         settings.policy_clip, count)
-    stats = {"policy_loss": loss.detach(), "clip_frac": clip_frac}
-    if settings.algorithm == "grpo":
-        kl = losses.masked_mean(losses.kl_estimate(new, exp.ref_logprobs), exp.mask, count)
-        stats["kl_loss"] = kl.detach()
-        loss = loss + settings.grpo_kl_coef * kl
-    return loss, stats
+class Step3State:
+    """What a step-3 checkpoint holds: the actor (as `model` / `optim`), the critic, the EMA actor."""
+
+    def __init__(self, engine: PPOEngine):
+        self.engine = engine
+
+    def state_dict(self) -> dict[str, Any]:
+        e = self.engine
+        state = dict(e.actor.built.dp.state_dict())
+        if e.critic is not None:
+            critic = e.critic.built.dp.state_dict()
+            state.update(critic=critic["model"], critic_optim=critic["optim"])
+        if e.ema is not None:
+            state["ema"] = e.ema.shadow  # loaded in place
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        e = self.engine
+        e.actor.built.dp.load_state_dict({"model": state["model"], "optim": state["optim"]})
+        if e.critic is not None:
+            e.critic.built.dp.load_state_dict({"model": state["critic"], "optim": state["critic_optim"]})
 
 
-def critic_objective(critic: nn.Module, exp: Experience, settings: RLHFConfig, count: float) -> torch.Tensor:
-    """The critic's clipped value loss on this rank's rows."""
-    values = critic(exp.rollout.ids)[:, :-1]
-    return losses.value_loss(values, exp.old_values, exp.returns, exp.mask, settings.value_clip, count)
+def _texts(run: RLHFRun, rollout: Rollout) -> list[str]:
+    """Each response as text, without the end-of-text token."""
+    eos = run.tokenizer.eot_id
+    return [run.tokenizer.decode([t for t in r if t != eos]) for r in rollout.responses()]
 
 
-def sequence_kl(exp: Experience) -> torch.Tensor:
-    """(B,) each response's summed log pi - log pi_ref: the KL of the sample to the reference."""
-    return ((exp.old_logprobs - exp.ref_logprobs) * exp.mask).sum(1)
+def task_score(run: RLHFRun, rows: list, rollout: Rollout) -> float | None:
+    """Mean true metric of the responses (None without one); rows[b] is row b's data row."""
+    if run.scorer is None:
+        return None
+    return sum(run.scorer(row.prompt, text) for row, text in zip(rows, _texts(run, rollout))) / len(rows)
+
+
+def run_ppo(run: RLHFRun) -> dict[str, Any]:
+    """Step 3 (module docstring); returns its summary (complete.json)."""
+    cfg, r = run.cfg, run.cfg.rlhf
+    actor_start = Start(run.actor.model, checkpoint_path(run.run_dir, "sft"), run.actor.directory)
+    reward_start = trained_reward_model(run)
+    configs = step3_configs(cfg, run.run_dir, actor_start.model, reward_start.model)
+    step = StepRun(run, "ppo", configs["actor"])
+    fresh = step.resume_from is None
+    acc, world = run.acc, run.world
+    actor = build_role(acc, world, configs["actor"], "actor", actor_start if fresh else None, run_dir=step.dir)
+    reference = build_role(acc, world, configs["reference"], "reference", actor_start, trained=False)
+    reward = build_role(acc, world, configs["reward"], "reward", reward_start, trained=False)
+    critic = (build_role(acc, world, configs["critic"], "critic", reward_start if fresh else None, run_dir=step.dir)
+              if "critic" in configs else None)
+
+    data = run.phase("ppo")
+    rows = [data[i] for i in range(len(data))]
+    prompts = [run.encoder.prompt(row) for row in rows]
+    n_eval = len(data.held_out) // world.world_size * world.world_size
+    eval_rows = list(data.held_out[:n_eval]) or rows[:world.world_size]
+    eval_prompts = [run.encoder.prompt(row) for row in eval_rows]
+    group = r.group_size if r.algorithm == "grpo" else 1
+    G = cfg.train.global_batch_size
+    sampler = GlobalBatchSampler(len(prompts), G // group, cfg.run.seed)
+
+    ptx, ptx_sampler = None, None
+    if r.ptx_coef > 0:  # a language-model step on step 1's data after each actor step
+        sft = run.phase("sft")
+        examples = [run.encoder.sft(sft[i]) for i in range(len(sft))]
+        ptx_sampler = GlobalBatchSampler(len(examples), G, cfg.run.seed)
+
+        def ptx(_step: int) -> float:
+            batch = [examples[i] for i in ptx_sampler.next_batch()]
+            return lm_loss_of_batch(actor, batch, run.pad_id, r.sft_mask_prompt, scale=r.ptx_coef)
+
+    sampling = Sampling(r.max_new_tokens, r.temperature, r.top_k or None, r.top_p if r.top_p < 1 else None)
+    generation = TrainingLayoutGeneration(actor.model, sampling, stop_tokens(run.tokenizer), cfg.run.seed,
+                                          actor.autocast)
+    engine = PPOEngine(actor, reference, reward, critic, r, generation, run.pad_id, ptx)
+
+    state = step.resume(Step3State(engine), actor)
+    done = 0 if state is None else state.step
+    if state is not None:
+        sampler.load_state_dict(state.sampler["prompts"])
+        if ptx_sampler is not None:
+            ptx_sampler.load_state_dict(state.sampler["ptx"])
+        if critic is not None and critic.scaler is not None and state.sampler.get("critic_loss_scaler"):
+            critic.scaler.load_state_dict(state.sampler["critic_loss_scaler"])
+    metrics = step.metrics(done if state is not None else None)
+    start = time.perf_counter()
+
+    def positions() -> dict[str, Any]:
+        out = {"prompts": sampler.state_dict()}
+        if ptx_sampler is not None:
+            out["ptx"] = ptx_sampler.state_dict()
+        if critic is not None and critic.scaler is not None:
+            out["critic_loss_scaler"] = critic.scaler.state_dict()
+        return out
+
+    def save() -> None:
+        step.checkpointer.save(Step3State(engine), step.state(done, positions(), actor))
+
+    def evaluate() -> dict[str, Any]:
+        rollout = engine.rollout(eval_prompts, list(range(len(eval_prompts))), "eval")
+        row = {"step": done, "eval_reward": engine.scores(rollout).mean().item(),
+               "eval_task_score": task_score(run, eval_rows, rollout), "time": time.perf_counter() - start}
+        metrics.log(row)
+        return row
+
+    first = evaluate() if done == 0 else {}
+    saved = done if state is not None else None
+    while done < cfg.run.steps:
+        chosen = sampler.next_batch()
+        batch_rows = [rows[i] for i in chosen for _ in range(group)]  # a GRPO group: consecutive rows
+        stats, exp = engine.step([prompts[i] for i in chosen for _ in range(group)],
+                                 [done * G + k for k in range(G)], done)
+        stats["task_score"] = task_score(run, batch_rows, exp.rollout)
+        done += 1
+        if done % cfg.run.log_every == 0 or done == cfg.run.steps:
+            metrics.log({"step": done, **stats, "time": time.perf_counter() - start})
+        if cfg.run.eval_every and done % cfg.run.eval_every == 0 and done != cfg.run.steps:
+            evaluate()
+        if cfg.checkpoint.every and done % cfg.checkpoint.every == 0:
+            save()
+            saved = done
+    final = evaluate()
+    if saved != done:
+        save()
+    if engine.ema is not None:
+        _save_ema(run, step, engine, done)
+    metrics.close()
+    for role in (actor, reference, reward, critic):
+        if role is not None:
+            role.close()
+    if world.is_main:
+        plot_loss(step.dir)
+        plot_panels(step.dir, "reward.png", ("reward", "kl", "task_score"))
+    summary = {"step": done, "eval_reward": final["eval_reward"], "eval_task_score": final["eval_task_score"],
+               "time_s": time.perf_counter() - start}
+    if first:
+        summary.update(first_eval_reward=first["eval_reward"], first_eval_task_score=first["eval_task_score"])
+    return step.finish(summary)
+
+
+def _save_ema(run: RLHFRun, step: StepRun, engine: PPOEngine, done: int) -> None:
+    """The EMA actor as its own run directory (runs/<name>/ppo/ema), weights only."""
+    ema_dir = RunDir(step.dir / "ema")
+    if run.world.is_main:
+        ema_dir.path.mkdir(parents=True, exist_ok=True)
+        ema_cfg = dataclasses.replace(step.cfg, run=dataclasses.replace(step.cfg.run, out_dir=str(ema_dir.path)))
+        ema_dir.config.write_text(to_toml(ema_cfg))
+        run.tokenizer.save(ema_dir.tokenizer)
+    barrier()
+    save_weights(ema_dir.checkpoints / f"step_{done}", engine.ema.shadow, shape_config(step.cfg.model))
+

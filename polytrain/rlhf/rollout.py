@@ -1,5 +1,15 @@
 """Step 3's generation: responses sampled from the actor, the same tokens at every layout.
 
+    generation = TrainingLayoutGeneration(actor.model, sampling, stop_tokens, seed, autocast)
+    responses = generation(prompts, sample_ids, step)      # this rank's rows of the global batch
+    rollout = lay_out(all_prompts, all_responses, pad_id)  # the whole batch, right-padded
+
+`Generation` is the seam step 3 samples through (`PPOEngine.generation`): anything that
+maps (prompts, their global sample indices, the step) to response tokens can replace the
+default, which decodes through the actor as it is laid out for training (every ZeRO-3
+block gathered for every token). The Hybrid Engine (issue 17) is such a replacement: it
+gathers the weights once, generates in an inference layout and hands the same tokens back.
+
 Each sample draws from its own generator seeded by (run seed, step, global sample
 index), so what sample i of step k says does not depend on which rank generates it,
 how many rows share its batch or how the batch is padded. Ranks that generate
@@ -13,10 +23,13 @@ shifted positions that score response tokens.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ContextManager, Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from polytrain.inference.generate import generate
@@ -55,21 +68,60 @@ class Rollout:
         """Each row's response tokens."""
         return [row[p:n] for row, p, n in zip(self.ids.tolist(), self.prompt_lens.tolist(), self.lengths.tolist())]
 
+    def to(self, device: torch.device | str) -> Rollout:
+        return Rollout(self.ids.to(device), self.lengths.to(device), self.prompt_lens.to(device), self.mask.to(device))
 
-def sample_generators(seed: int, step: int, sample_ids: Sequence[int],
+    def rows(self, index: range | slice) -> Rollout:
+        """The rollout of some of the rows (a rank's data-parallel slice, a micro-batch)."""
+        return Rollout(self.ids[index], self.lengths[index], self.prompt_lens[index], self.mask[index])
+
+
+class Generation(Protocol):
+    """Step 3's sampling seam: responses (new tokens, stop token included) to this rank's prompts."""
+
+    def __call__(self, prompts: Sequence[list[int]], sample_ids: Sequence[int], step: int | str) -> list[list[int]]: ...
+
+
+def sample_generators(seed: int, step: int | str, sample_ids: Sequence[int],
                       device: torch.device | str = "cpu") -> list[torch.Generator]:
     """One generator per sample, seeded by (seed, step, global sample index)."""
     return [torch.Generator(device=device).manual_seed(seed_for(seed, f"rollout/{step}/{i}")) for i in sample_ids]
 
 
-def rollout(actor: nn.Module, prompts: Sequence[list[int]], sample_ids: Sequence[int], *, step: int,
-            seed: int, sampling: Sampling, stop_tokens: set[int], pad_id: int,
-            all_done: Callable[[bool], bool] | None = None) -> Rollout:
-    """Sample a response to each prompt (prompt b is global sample sample_ids[b]) and lay them out."""
-    device = next(actor.parameters()).device
-    new = generate(actor, list(prompts), sampling.max_new_tokens, temperature=sampling.temperature,
-                   top_k=sampling.top_k, top_p=sampling.top_p, stop_tokens=stop_tokens,
-                   row_generators=sample_generators(seed, step, sample_ids, device), all_done=all_done)
-    ids, lengths = right_pad([list(p) + r for p, r in zip(prompts, new)], pad_id)
+def all_ranks_done(device: torch.device) -> Callable[[bool], bool]:
+    """generate's all_done: True when every rank's rows have ended, so ranks decoding through one
+    sharded model run the same forwards and stop together."""
+    def done(local: bool) -> bool:
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return local
+        flag = torch.tensor([0 if local else 1], device=device)
+        dist.all_reduce(flag)  # the ranks still decoding
+        return flag.item() == 0
+    return done
+
+
+@dataclass
+class TrainingLayoutGeneration:
+    """The default Generation: KV-cached sampling through the actor in its training layout."""
+
+    actor: nn.Module
+    sampling: Sampling
+    stop_tokens: set[int]
+    seed: int
+    autocast: Callable[[], ContextManager] = contextlib.nullcontext
+
+    def __call__(self, prompts: Sequence[list[int]], sample_ids: Sequence[int], step: int | str) -> list[list[int]]:
+        s = self.sampling
+        device = next(self.actor.parameters()).device
+        with self.autocast():
+            return generate(self.actor, list(prompts), s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
+                            top_p=s.top_p, stop_tokens=self.stop_tokens,
+                            row_generators=sample_generators(self.seed, step, sample_ids, device),
+                            all_done=all_ranks_done(device))
+
+
+def lay_out(prompts: Sequence[list[int]], responses: Sequence[list[int]], pad_id: int) -> Rollout:
+    """Prompts and their responses as one right-padded Rollout."""
+    ids, lengths = right_pad([list(p) + list(r) for p, r in zip(prompts, responses)], pad_id)
     prompt_lens = torch.tensor([len(p) for p in prompts])
     return Rollout(ids, lengths, prompt_lens, response_mask(prompt_lens, lengths, ids.shape[1]))

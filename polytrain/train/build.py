@@ -83,7 +83,8 @@ class BuiltModel:
     dp: DataParallel
     """Its data-parallel strategy: build_optimizer, gradient sync, clipping, step, state dict."""
     loss: ModelLoss | None
-    """A micro-batch's mean loss (None for a user's model, whose forward computes its own)."""
+    """A micro-batch's mean loss (None for a user's model, whose forward computes its own, and
+    for a value model, whose loss is its caller's: rlhf's reward and value losses)."""
     pipeline: PipelineRunner | None
     tp_ctx: Context | None
     """What its tensor-parallel layers share (None without tp)."""
@@ -117,7 +118,9 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
         model = arch.build(cfg.model)
     num_params, flops = model.num_params(), model.flops_per_token(cfg.data.seq_len)
     adapters = adapter_parameter_count(model, cfg.lora) if cfg.lora.rank else 0
-    chunked = attach_loss_head(model, cfg.train, runtime.dims)  # before the split: the last stage copies it
+    lm = cfg.model.head == "lm"  # a value model (reward model, critic) returns values: no LM loss head
+    # Before the split: the last stage copies it.
+    chunked = attach_loss_head(model, cfg.train, runtime.dims) if lm else False
     stages = split_model(model, pipeline, runtime.axis_rank("pp")) if pipeline else {"": model}
     if cfg.lora.rank:
         for stage in stages.values():
@@ -154,7 +157,9 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
     logits_loss = logits_loss_for(tp_ctx, cfg.model.vocab_size)
     if head is not None and head.deferred:
         logits_loss = deferred_loss(head, lambda: runtime.acc.autocast(dtype))
-    if cp is None:
+    if not lm:  # a value model (reward model, critic): its values are scored by RLHF's losses
+        loss = None
+    elif cp is None:
         loss = ModelLoss(logits_loss, head)
     else:
         loss = ContextParallelLoss(ModelLoss(sharded_logits_loss(logits_loss, cp), head), cp, eot_id)

@@ -118,6 +118,10 @@ def plan_layout(cfg: Config, world_size: int) -> Layout:
         raise ConfigError(f"parallel.pp > 1 runs decoders only (the causal LM objective); model.arch = "
                           f"'{cfg.model.arch}' is an {arch.kind} model: set parallel.pp = 1 and use "
                           f"parallel.tp / parallel.dp")
+    if cfg.model.head == "value" and (p.pp > 1 or p.tp > 1 and p.tp_mode != "1d"):
+        # The scalar head has a 1d tensor-parallel role only, and a pipeline's last stage computes the LM loss.
+        raise ConfigError(f"model.head = 'value' runs with parallel.pp = 1 and tp_mode '1d' (now pp {p.pp}, "
+                          f"tp_mode '{p.tp_mode}'); use parallel.dp, zero and 1d tp for reward models and critics")
     pipeline = plan_from_config(cfg, dims.dp, arch.embedding_units, arch.head_units)
     check_batch_schedule(cfg, dims.dp, pipeline)  # every ramp-up size splits on this layout too
     if cfg.lora.rank:

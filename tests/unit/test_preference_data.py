@@ -97,6 +97,12 @@ def test_phases_see_disjoint_rows_and_blend_by_weight(tmp_path):
     assert reward.blend.counts == [24, 8]
     drawn = [reward[i].prompt for i in range(len(reward))]
     assert sum(p.startswith(" Human: a") for p in drawn) == 24
+    kept = phase_data([a, b, demos], split, "reward", seed=3, hold_out=8)  # 8 of 32 rows: 5 of a's 20, 3 of b's 12
+    assert len(kept.held_out) == 8 and sorted(len(r) for r in kept.sources) == [9, 15]
+    assert not {r.prompt for r in kept.held_out} & {kept[i].prompt for i in range(len(kept))}
+    assert not {r.prompt for r in kept.held_out} & (prompts["sft"] | prompts["ppo"])  # step 2's own rows
+    no_sft_pairs = phase_data([a, demos], parse_split("0,5,5"), "sft", seed=3)  # a share of 0: demonstrations only
+    assert {no_sft_pairs[i].prompt for i in range(len(no_sft_pairs))} == {f"d{i}" for i in range(8)}
     one = read_source(_write(tmp_path / "one.jsonl", _pairs(1)))  # parts of 0, 1 and 0 rows
     assert len(phase_data([one], split, "reward", seed=0)) == 1
     with pytest.raises(ConfigError, match=r"one.jsonl holds 1 row\(s\) .* leaves step 3 \(ppo\) none of them"):

@@ -3,10 +3,10 @@
 import torch
 
 from polytrain.config import Config
-from polytrain.models.registry import model_config, resolve_model
 from polytrain.distributed.materialize import materialize
 from polytrain.models import ARCHITECTURES
-from polytrain.rlhf.rollout import Sampling, rollout
+from polytrain.models.registry import model_config, resolve_model
+from polytrain.rlhf.rollout import Sampling, TrainingLayoutGeneration, lay_out
 
 
 def _model():
@@ -20,34 +20,20 @@ def _model():
 
 
 def test_samples_do_not_depend_on_the_batch_they_share():
-    model = _model()
+    generate = TrainingLayoutGeneration(_model(), Sampling(max_new_tokens=6, temperature=1.0), {0}, seed=9)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [5]]
-    args = dict(step=3, seed=9, sampling=Sampling(max_new_tokens=6, temperature=1.0), stop_tokens={0}, pad_id=0)
-    whole = rollout(model, prompts, [0, 1, 2, 3], **args)
+    whole = generate(prompts, [0, 1, 2, 3], 3)
     # Two "ranks", each with half of the batch (other padding, other batch size).
-    halves = [rollout(model, prompts[:2], [0, 1], **args), rollout(model, prompts[2:], [2, 3], **args)]
-    assert whole.responses() == halves[0].responses() + halves[1].responses()
-    again = rollout(model, prompts[::-1], [3, 2, 1, 0], **args)  # any order
-    assert again.responses() == whole.responses()[::-1]
-    other_step = rollout(model, prompts, [0, 1, 2, 3], **{**args, "step": 4})
-    assert other_step.responses() != whole.responses()
+    assert whole == generate(prompts[:2], [0, 1], 3) + generate(prompts[2:], [2, 3], 3)
+    assert generate(prompts[::-1], [3, 2, 1, 0], 3) == whole[::-1]  # any order
+    assert generate(prompts, [0, 1, 2, 3], 4) != whole  # another step, other samples
     # The layout: prompt, response, padding; the mask scores exactly the response tokens.
+    roll = lay_out(prompts, whole, pad_id=0)
+    assert roll.responses() == whole
     for b, p in enumerate(prompts):
-        n, resp = whole.lengths[b].item(), whole.responses()[b]
-        assert whole.ids[b, :len(p)].tolist() == p and whole.ids[b, len(p):n].tolist() == resp
-        assert whole.mask[b].sum().item() == len(resp) == whole.response_lens[b].item()
-        assert whole.mask[b].nonzero()[0].item() == len(p) - 1
-
-
-def test_ranks_agree_when_to_stop():
-    model = _model()
-    calls = []
-
-    def all_done(local):  # another rank still decoding: keep going
-        calls.append(local)
-        return False
-
-    out = rollout(model, [[5, 6]], [0], step=0, seed=0, sampling=Sampling(max_new_tokens=5, temperature=0),
-                  stop_tokens=set(range(40)), pad_id=0, all_done=all_done)
-    assert calls[0] is True  # this rank's row ended at its first token ...
-    assert len(calls) == 4 and out.response_lens.item() == 1  # ... but decoding ran all 5 steps
+        n, resp = roll.lengths[b].item(), whole[b]
+        assert roll.ids[b, :len(p)].tolist() == p and roll.ids[b, len(p):n].tolist() == resp
+        assert roll.mask[b].sum().item() == len(resp) == roll.response_lens[b].item()
+        assert roll.mask[b].nonzero()[0].item() == len(p) - 1
+    part = roll.rows(slice(1, 3))
+    assert part.responses() == whole[1:3] and part.mask.shape == (2, roll.ids.shape[1] - 1)

@@ -205,6 +205,26 @@ def norm(module: nn.Module, ctx: TPContext) -> nn.Module:
     return module
 
 
+def scalar_output(module: nn.Module, ctx: TPContext) -> nn.Module:
+    """A value model's replicated (1, D) head, in place: (B, T[/tp], D) -> values (B, T), whole on every rank.
+
+    Without SP every rank computes the same values from the replicated stream. Under SP each
+    rank scores its own tokens, (B, T/tp), and the values are gathered along the sequence
+    (backward keeps each rank's slice); the weight's partial gradients are summed (Norm's rule).
+    """
+    module = norm(module, ctx)
+    inner = module.forward
+
+    def forward(h: torch.Tensor) -> torch.Tensor:
+        values = inner(h)  # (B, T) or, under SP, (B, T/tp)
+        if not ctx.sp_active:
+            return values
+        return gather_from_tp(values, 1, [values.shape[1]] * ctx.size, ctx.group)
+
+    module.forward = forward
+    return module
+
+
 def residual_table(module: nn.Module, ctx: TPContext) -> nn.Module:
     """Replicated lookup table (nn.Embedding) whose rows join the residual stream per token, in place.
 

@@ -71,6 +71,7 @@ ONE_D: dict[str, Implementation] = {
         m, ctx, s.unit, s.shared_units),
     "row": lambda m, s, ctx: (RowParallelLoRA if isinstance(m, LoRALinear) else one_d.RowParallelLinear)(m, ctx),
     "vocab_head": lambda m, s, ctx: one_d.VocabParallelHead(m, ctx),
+    "scalar_output": lambda m, s, ctx: one_d.scalar_output(m, ctx),
 }
 
 MODES: dict[str, Mode] = {

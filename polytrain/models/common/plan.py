@@ -114,6 +114,14 @@ class VocabHead(Style):
     role: ClassVar[str] = "vocab_head"
 
 
+@dataclass(frozen=True)
+class ScalarOutput(Style):
+    """A small replicated output projection (a value model's (1, D) head): one value per token,
+    whole on every rank (gathered along the sequence under SP)."""
+
+    role: ClassVar[str] = "scalar_output"
+
+
 Plan = dict[str, Style]
 
 
