@@ -409,7 +409,7 @@ def _plan(argv: list[str]) -> int:
     parser.add_argument("--headroom", type=float, default=0.05, help="share of memory kept free (default 0.05)")
     parser.add_argument("--top", type=int, default=10, help="layouts to show (0 = all that fit)")
     parser.add_argument("--allow-cp", action="store_true",
-                        help="also propose context parallelism when this config has no parallel.cp")
+                        help="also propose context parallelism (planned only when the config sets parallel.cp)")
     parser.add_argument("--json", action="store_true", help="print a JSON list, best first")
     parser.add_argument("--elastic", metavar="MIN:MAX",
                         help="plan a layout for every world size MIN..MAX (the config's global batch kept) and "

@@ -22,9 +22,9 @@ Under 1D tensor parallelism heads and FFN features split tp ways, the norms and 
 outputs (the linears' inputs) are whole; sequence parallelism splits the norms too
 (the all-gathered linear inputs stay whole, as the linears save them). Full
 recomputation keeps the block's input (its fp32 residual stream, 4D); selective
-recomputation of the attention core drops only the log-sum-exp (the core's inputs are
-kept, the output is saved by wo anyway): with flash attention there is no 5as^2b term
-for it to remove.
+recomputation of the attention core drops the log-sum-exp and the K/V heads repeated for
+grouped-query attention (the core's inputs, unrepeated, are kept; the output is saved by
+wo anyway): with flash attention there is no 5as^2b term for it to remove.
 """
 
 from __future__ import annotations
@@ -46,11 +46,12 @@ class BlockFamily:
     mlp_consumers: int
     gated: bool
     masked_lm_head: bool = False  # BERT: an embedding norm, and dense + GELU + norm before the output
+    packed_qkv: bool = False  # one q/k/v projection: the core's V is a view that keeps all of it alive
 
 
 FAMILIES = {
     "llama": BlockFamily("rms", 3, 2, gated=True),
-    "internlm2": BlockFamily("rms", 1, 2, gated=True),  # packed wqkv
+    "internlm2": BlockFamily("rms", 1, 2, gated=True, packed_qkv=True),  # packed wqkv
     "gpt2": BlockFamily("layer", 3, 1, gated=False),
     "bert": BlockFamily("layer", 3, 1, gated=False, masked_lm_head=True),  # post-norm: same tensors, other places
 }
@@ -66,16 +67,23 @@ def block_family(arch: str) -> BlockFamily:
 
 @dataclass(frozen=True)
 class BlockDims:
-    """Widths of one block: model width D, FFN width F, heads H of size hd."""
+    """Widths of one block: model width D, FFN width F, heads H of size hd, Hkv key/value heads."""
 
     dim: int
     ffn_dim: int
     n_heads: int
     head_dim: int
+    n_kv_heads: int | None = None  # None: as many as the query heads
 
     @property
     def attn_width(self) -> int:
         return self.n_heads * self.head_dim
+
+    def kv_width(self, tp: int = 1) -> float:
+        """Key (or value) width one tp rank holds: its share of the KV heads, one head where there
+        are fewer heads than ranks (each rank keeps a copy)."""
+        kv_heads = self.n_kv_heads or self.n_heads
+        return self.head_dim * (kv_heads / tp if kv_heads >= tp else 1)
 
 
 def block_bytes_per_token(family: BlockFamily, d: BlockDims, compute_bytes: int, tp: int = 1,
@@ -96,7 +104,15 @@ def block_bytes_per_token(family: BlockFamily, d: BlockDims, compute_bytes: int,
         norm_outputs = compute_bytes * d.dim * (family.attention_consumers + family.mlp_consumers)
     else:
         norm_outputs = 2 * FP32 * d.dim
-    attention = 4 * compute_bytes * d.attn_width / tp
+    # q and the attention output; the core's K and V: repeated to every query head inside it
+    # (SDPA saves them so), unrepeated where selective recomputation saves only the core's
+    # inputs. With a packed projection the saved V is a view of the whole (q, k, v) output.
+    if recompute == "none":
+        attention = compute_bytes * 4 * d.attn_width / tp
+    elif family.packed_qkv:  # q and k after RoPE, the packed output behind V, the output
+        attention = compute_bytes * (2 * d.attn_width / tp + d.kv_width(tp) + (d.attn_width / tp + 2 * d.kv_width(tp)))
+    else:
+        attention = compute_bytes * (2 * d.attn_width / tp + 2 * d.kv_width(tp))
     lse = 0.0 if recompute == "selective" else FP32 * d.n_heads / tp
     mlp = (4 if family.gated else 2) * compute_bytes * d.ffn_dim / tp
     return norms + norm_outputs + attention + lse + mlp

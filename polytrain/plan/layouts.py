@@ -7,9 +7,8 @@ accumulation give the global batch, then keeps those the project's own start-up 
 accepts (train/startup.plan_layout: the degree arithmetic, the tensor-parallel and pipeline
 checks, the batch plan): what the planner proposes, `polytrain train` will run.
 
-Context parallelism (parallel.cp / cp_mode) is modelled from its formulas; it is only
-proposed when the config has those keys (until then `allow_cp` asks for it anyway, for
-what-if plans).
+Context parallelism (parallel.cp / cp_mode, ring and Ulysses) is modelled from its
+formulas; it is proposed when the config sets parallel.cp or `allow_cp` asks for it.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ class Layout:
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 2
     cp: int = 1
-    cp_mode: str = "ulysses"
+    cp_mode: str = "ring"
     micro_batch_size: int = 1
     accum: int = 1
     activation_checkpoint: str = "none"
@@ -104,43 +103,25 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def has_cp_keys(cfg: Config) -> bool:
-    """Whether this polytrain's config knows parallel.cp (context parallelism)."""
-    return hasattr(cfg.parallel, "cp")
-
-
 def apply_layout(cfg: Config, layout: Layout) -> Config:
-    """`cfg` with the layout's keys set (cp keys only where the config has them); `cfg` is left alone."""
-    cp = {"cp": layout.cp, "cp_mode": layout.cp_mode} if has_cp_keys(cfg) else {}
+    """`cfg` with the layout's keys set; `cfg` is left alone."""
     parallel = dataclasses.replace(
         cfg.parallel, nproc=layout.world, dp=layout.dp, zero=layout.zero, tp=layout.tp, sp=layout.sp,
         pp=layout.pp, tp_mode=layout.tp_mode, tp_depth=layout.tp_depth, pp_schedule=layout.pp_schedule,
-        pp_virtual_stages=layout.pp_virtual_stages, pp_microbatches=0, zero_shard=-1, offload=layout.offload, **cp)
+        pp_virtual_stages=layout.pp_virtual_stages, pp_microbatches=0, zero_shard=-1, offload=layout.offload,
+        cp=layout.cp, cp_mode=layout.cp_mode)
     train = dataclasses.replace(cfg.train, micro_batch_size=layout.micro_batch_size,
                                 activation_checkpoint=layout.activation_checkpoint)
     return dataclasses.replace(cfg, parallel=parallel, train=train)
 
 
 def accepted(cfg: Config, layout: Layout) -> bool:
-    """Whether start-up would accept `layout` for `cfg` (cp beyond the config's keys: by its rules)."""
-    if layout.cp > 1:
-        if not _cp_fits(cfg, layout):
-            return False
-        if not has_cp_keys(cfg):  # the other degrees, checked on the world one cp group leaves
-            layout = dataclasses.replace(layout, cp=1, world=layout.world // layout.cp)
+    """Whether start-up would accept `layout` for `cfg`."""
     try:
         plan_layout(apply_layout(cfg, layout), layout.world)
     except ConfigError:
         return False
     return True
-
-
-def _cp_fits(cfg: Config, layout: Layout) -> bool:
-    """Sequence and head counts the context-parallel modes need (issue 18's rules)."""
-    seq, m = cfg.data.seq_len, cfg.model
-    if layout.cp_mode == "ring":
-        return seq % (2 * layout.cp) == 0
-    return seq % layout.cp == 0 and (m.n_heads // layout.tp) % layout.cp == 0
 
 
 @dataclass(frozen=True)
@@ -187,7 +168,7 @@ def _with_rest(cfg, space, checked, gbs, world, dp, tp, tp_mode, tp_depth, cp, p
         for zero in space.zero_stages:
             offloads = [o for o in space.offload if o == "none" or zero in (1, 2)]
             for schedule in (space.schedules if pp > 1 else ("1f1b",)):
-                cp_modes = CP_MODES if cp > 1 else ("ulysses",)
+                cp_modes = CP_MODES if cp > 1 else ("ring",)
                 for cp_mode in cp_modes:
                     for sp in ((False, True) if tp > 1 and tp_mode == "1d" else (False,)):
                         base = Layout(world, dp, zero, tp, tp_mode, tp_depth, sp, pp, schedule, 2, cp, cp_mode,
@@ -208,6 +189,6 @@ def layout_from_config(cfg: Config, world: int) -> Layout:
     p, t, dims = cfg.parallel, cfg.train, checked.dims
     return Layout(world=world, dp=dims.dp, zero=p.zero, tp=p.tp, tp_mode=p.tp_mode, tp_depth=p.tp_depth,
                   sp=p.sp, pp=p.pp, pp_schedule=p.pp_schedule, pp_virtual_stages=p.pp_virtual_stages,
-                  cp=getattr(p, "cp", 1), cp_mode=getattr(p, "cp_mode", "ulysses"),
+                  cp=p.cp, cp_mode=p.cp_mode,
                   micro_batch_size=t.micro_batch_size, accum=checked.batch.accum_steps,
                   activation_checkpoint=t.activation_checkpoint, offload=p.offload)

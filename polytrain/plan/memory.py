@@ -191,7 +191,7 @@ def _rank_memory(cfg: Config, shape: ModelShape, layout: Layout, cluster: Cluste
     # ----- activations of the micro-batches in flight, and the loss -----
     cb = compute_bytes(t.precision)
     family = block_family(m.arch)
-    dims = BlockDims(m.dim, m.ffn_dim, m.n_heads, shape.head_dim)
+    dims = BlockDims(m.dim, m.ffn_dim, m.n_heads, shape.head_dim, m.n_kv_heads)
     tokens = layout.micro_batch_size * cfg.data.seq_len / layout.cp
     grid = layout.tp_mode != "1d" and tp > 1
     act_tp, act_sp = (1, False) if grid else (tp, layout.sp)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from polytrain.config import Config
 from polytrain.plan.devices import GiB, Cluster
-from polytrain.plan.layouts import Layout, SearchSpace, candidate_layouts, has_cp_keys
+from polytrain.plan.layouts import Layout, SearchSpace, candidate_layouts
 from polytrain.plan.memory import MemoryEstimate, estimate_memory
 from polytrain.plan.shapes import ModelShape, model_shape
 from polytrain.plan.step_time import TimeEstimate, estimate_step_time
@@ -81,7 +81,7 @@ def plan(cfg: Config, cluster: Cluster, space: SearchSpace | None = None, headro
          allow_cp: bool = False) -> list[Estimate]:
     """Every accepted layout of `cluster` for `cfg`, ranked (see the module docstring)."""
     if space is None:
-        space = SearchSpace(max_cp=cluster.devices if (allow_cp or has_cp_keys(cfg)) else 1,
+        space = SearchSpace(max_cp=cluster.devices if (allow_cp or cfg.parallel.cp > 1) else 1,
                             offload=("none", "cpu") if not cluster.device.cores_per_node else ("none",))
     fixed = fixed_choices(cfg)
     shape = model_shape(cfg)

@@ -66,7 +66,7 @@ def test_block_and_head_bytes_match_saved_tensors(arch, precision):
                 measured[layers, batch] = _saved_bytes(model, torch.randint(0, 100, (batch, SEQ)), dtype)
         m = cfg.model
         family = block_family(arch)
-        dims = BlockDims(m.dim, m.ffn_dim, m.n_heads, m.dim // m.n_heads)
+        dims = BlockDims(m.dim, m.ffn_dim, m.n_heads, m.dim // m.n_heads, m.n_kv_heads)
         # One more block, at 2 and 4 sequences: the growth per token, and what does not grow.
         block2 = measured[2, 2] - measured[1, 2]
         block4 = measured[2, 4] - measured[1, 4]
