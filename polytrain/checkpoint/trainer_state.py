@@ -304,18 +304,18 @@ class Checkpointer:
         tensors.load_state_dict(tensors_sd)
         if state.weights_only:
             return state
-        rng_file = path / "rng" / f"rank_{_rank()}.pt"
+        rng_file = Path(path) / "rng" / f"rank_{_rank()}.pt"
         if state.world_size == (dist.get_world_size() if dist.is_initialized() else 1):
-            agree(lambda: self._load_rng(rng_file))
+            agree(lambda: self._load_rng(Path(path), rng_file))
         return state
 
-    def _load_rng(self, rng_file: Path) -> None:
+    def _load_rng(self, path: Path, rng_file: Path) -> None:
         if not rng_file.is_file():
             return
         try:
             rng = torch.load(rng_file, weights_only=False)
         except Exception as e:  # a garbled file: torch.load's own error, whatever it is
-            raise CheckpointError(f"checkpoint {rng_file.parent.parent} is damaged: {rng_file.name} cannot "
+            raise CheckpointError(f"checkpoint {path} is damaged: {rng_file.relative_to(path).as_posix()} cannot "
                                   f"be read ({_first_line(e)}); resume from an earlier one") from None
         self._set_rng_state(rng)
 
