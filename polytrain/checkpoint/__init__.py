@@ -19,9 +19,11 @@ from polytrain.checkpoint.trainer_state import (
     load_in_place,
     load_model_weights,
     save_weights,
+    verify_checkpoint,
 )
 
 __all__ = [
     "STATE_FILE", "Checkpointer", "RunDir", "TrainerState", "check_checkpoint", "latest_checkpoint",
-    "load_in_place", "load_model_weights", "save_weights", "torch_bytes", "write_checkpoint_dir",
+    "load_in_place", "load_model_weights", "save_weights", "torch_bytes", "verify_checkpoint",
+    "write_checkpoint_dir",
 ]
