@@ -24,8 +24,11 @@ from typing import Any, BinaryIO
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from polytrain.checkpoint import manifest
+from polytrain.checkpoint.directory import dcp_cause
 from polytrain.checkpoint.trainer_state import STATE_FILE, check_checkpoint, latest_checkpoint
 from polytrain.errors import CheckpointError, ConfigError
 from polytrain.io.atomic import atomic_path
@@ -72,6 +75,7 @@ def consolidate(checkpoint_dir: str | Path, out: str | Path, dtype: torch.dtype 
             raise CheckpointError(f"{path} has no complete checkpoint under checkpoints/")
         path = newest
     check_checkpoint(path)
+    manifest.verify(path)  # one process reads every file here, so it checks all of them
     dtype = _resolve_dtype(dtype)
     out = Path(out)
     if fmt is None:
@@ -103,6 +107,7 @@ def read_model_tensors(checkpoint_dir: str | Path, dtype: torch.dtype | None = N
     """{fqn: full tensor} of a checkpoint's model weights, in memory; dtype None keeps each stored dtype."""
     path = Path(checkpoint_dir)
     check_checkpoint(path)
+    manifest.verify(path)
     reader = _Reader(str(path))
     entries = {key.removeprefix("model."): md for key, md in reader.read_metadata().state_dict_metadata.items()
                if key.startswith("model.") and isinstance(md, TensorStorageMetadata)}
@@ -116,9 +121,9 @@ def _load_each(reader: _Reader, entries: dict[str, TensorStorageMetadata],
         tensor = torch.empty(md.size, dtype=md.properties.dtype)
         try:
             dcp.load({"model": {name: tensor}}, storage_reader=reader, no_dist=True)
-        except Exception as e:
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
             # DCP collects per-rank exceptions in CheckpointException.failures; show the first.
-            cause = next(iter(getattr(e, "failures", {}).values()), e)
+            cause = dcp_cause(e)
             text = str(cause).strip().splitlines()
             raise CheckpointError(f"cannot read {name} from checkpoint {reader.path}: "
                                   f"{text[0] if text else type(cause).__name__}") from e

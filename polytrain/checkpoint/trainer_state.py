@@ -3,6 +3,7 @@
     <run dir>/checkpoints/step_<N>/
         .metadata, __<rank>_0.distcp   # model + optimizer, keyed by parameter name (DCP)
         rng/rank_<r>.pt                # each rank's RNG states
+        manifest.json                  # every file's size and BLAKE2b digest, checked at load (manifest.py)
         trainer.json                   # step, optimizer_steps (which fix the lr schedule), sampler position,
                                        # model config and, with LoRA, the adapters' record and their base
 
@@ -37,9 +38,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from polytrain.checkpoint.directory import TMP_PREFIX, torch_bytes, write_checkpoint_dir
+from polytrain.checkpoint import manifest
+from polytrain.checkpoint.directory import TMP_PREFIX, agree, dcp_cause, torch_bytes, write_checkpoint_dir
 from polytrain.checkpoint.run_dir import RunDir
 from polytrain.errors import CheckpointError
 from polytrain.lora import is_adapter_key, lora_record
@@ -53,6 +56,9 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 # Test hook: the rank that reaches this step's save kills itself mid-write (SIGKILL),
 # as a power cut or OOM killer would.
 _KILL_DURING_SAVE_ENV = "POLYTRAIN_TEST_KILL_DURING_SAVE"
+# Test hook, "<step>:<rank>": that rank's RNG-state file cannot be written at that step's save
+# (its path is taken by a directory), while the other ranks write theirs.
+_FAIL_RNG_SAVE_ENV = "POLYTRAIN_TEST_FAIL_RNG_SAVE"
 
 
 @dataclass
@@ -123,7 +129,7 @@ def check_checkpoint(path: Path) -> None:
         raise CheckpointError(f"{state_file} is not a {FORMAT} file (format {fmt!r})")
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"checkpoint {path} is incomplete (no .metadata); resume from an earlier one")
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    metadata = read_metadata(path)
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -133,6 +139,28 @@ def check_checkpoint(path: Path) -> None:
         if actual < size:
             what = "missing" if actual < 0 else f"truncated ({actual} of {size} bytes)"
             raise CheckpointError(f"checkpoint {path} is damaged: {name} is {what}; resume from an earlier one")
+
+
+def read_metadata(path: Path) -> Any:
+    """DCP's .metadata of `path`; a garbled one is one CheckpointError, not an unpickling traceback."""
+    try:
+        return dcp.FileSystemReader(str(path)).read_metadata()
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointError(f"checkpoint {path} is damaged: .metadata cannot be read ({_first_line(e)}); "
+                              "resume from an earlier one") from None
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Check `path`'s files against its manifest, the ranks sharing the reading (collective when a
+    process group exists, as loading is); a damaged file is one CheckpointError on every rank."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    agree(lambda: manifest.verify(path, _rank(), world))
+
+
+def _first_line(e: BaseException) -> str:
+    cause = dcp_cause(e)
+    text = str(cause).strip().splitlines()
+    return text[0] if text else type(cause).__name__
 
 
 def read_state(path: Path) -> TrainerState:
@@ -145,7 +173,7 @@ def read_state(path: Path) -> TrainerState:
 
 def model_keys(path: Path) -> set[str]:
     """Names of the model tensors a checkpoint holds."""
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    metadata = read_metadata(path)
     return {k.removeprefix("model.") for k in metadata.state_dict_metadata if k.startswith("model.")}
 
 
@@ -157,6 +185,7 @@ def fill_model_state(path: Path, state: TrainerState, model_sd: dict[str, Any], 
     `model_sd`; None: they come from `init_seeded`, the caller's). A checkpoint without adapters
     loaded into an adapted model fills the base and leaves the adapters as they are.
     """
+    verify_checkpoint(path)  # before any tensor is taken from it; a base is checked by its own call
     held = model_keys(path)
     missing = [k for k in model_sd if k not in held]
     if state.adapters_only:
@@ -212,6 +241,8 @@ class Checkpointer:
         def rank_files() -> dict[str, bytes]:
             if os.environ.get(_KILL_DURING_SAVE_ENV) == str(state.step):
                 os.kill(os.getpid(), signal.SIGKILL)  # the test's power cut: shards written, the rest not
+            if os.environ.get(_FAIL_RNG_SAVE_ENV) == f"{state.step}:{rank}":
+                (self.root / f"{TMP_PREFIX}step_{state.step}" / "rng" / f"rank_{rank}.pt").mkdir(parents=True)
             return {f"rng/rank_{rank}.pt": torch_bytes(self._rng_state())}
 
         tensors_sd = tensors.state_dict()
@@ -219,10 +250,8 @@ class Checkpointer:
             tensors_sd = {**tensors_sd, "model": {k: v for k, v in tensors_sd["model"].items() if is_adapter_key(k)}}
         final = write_checkpoint_dir(self.root / f"step_{state.step}", tensors_sd,
                                      rank_files=rank_files, main_files=lambda: {STATE_FILE: _json_bytes(state)})
-        if rank == 0:
-            self._prune()
-        if dist.is_initialized():
-            dist.barrier()
+        # Agreed, not a barrier: a checkpoint pruning cannot read fails rank 0 alone.
+        agree(self._prune if rank == 0 else None)
         return final
 
     def _prune(self) -> None:
@@ -275,10 +304,20 @@ class Checkpointer:
         tensors.load_state_dict(tensors_sd)
         if state.weights_only:
             return state
-        rng_file = path / "rng" / f"rank_{_rank()}.pt"
-        if state.world_size == (dist.get_world_size() if dist.is_initialized() else 1) and rng_file.is_file():
-            self._set_rng_state(torch.load(rng_file, weights_only=False))
+        rng_file = Path(path) / "rng" / f"rank_{_rank()}.pt"
+        if state.world_size == (dist.get_world_size() if dist.is_initialized() else 1):
+            agree(lambda: self._load_rng(Path(path), rng_file))
         return state
+
+    def _load_rng(self, path: Path, rng_file: Path) -> None:
+        if not rng_file.is_file():
+            return
+        try:
+            rng = torch.load(rng_file, weights_only=False)
+        except Exception as e:  # a garbled file: torch.load's own error, whatever it is
+            raise CheckpointError(f"checkpoint {path} is damaged: {rng_file.relative_to(path).as_posix()} cannot "
+                                  f"be read ({_first_line(e)}); resume from an earlier one") from None
+        self._set_rng_state(rng)
 
 
 def save_weights(path: Path, model_state: dict[str, torch.Tensor], model_config: dict[str, Any],
@@ -310,8 +349,6 @@ def load_in_place(state: dict[str, Any], path: Path) -> None:
     """dcp.load in place, with any failure turned into one CheckpointError line."""
     try:
         dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-    except Exception as e:
-        # DCP collects per-rank exceptions in CheckpointException.failures; show the first.
-        cause = next(iter(getattr(e, "failures", {}).values()), e)
-        text = str(cause).strip().splitlines()
-        raise CheckpointError(f"cannot load checkpoint {path}: {text[0] if text else type(cause).__name__}") from e
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointError(f"cannot load checkpoint {path} ({_first_line(e)}); it is damaged: "
+                              "resume from an earlier one") from None

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from polytrain.checkpoint import load_in_place, torch_bytes, write_checkpoint_dir
+from polytrain.checkpoint import load_in_place, torch_bytes, verify_checkpoint, write_checkpoint_dir
 from polytrain.distributed.data_parallel import DataParallel
 from polytrain.distributed.world import barrier
 from polytrain.errors import CheckpointError
@@ -67,6 +67,7 @@ def load(path: Path, dp: DataParallel, optimizer_states: bool) -> tuple[dict[str
     state = json.loads(state_file.read_text())
     if state.get("format") != FORMAT:
         raise CheckpointError(f"{state_file} is not a {FORMAT} file (format {state.get('format')!r})")
+    verify_checkpoint(path)  # manifest.json's digests, the ranks sharing the reading
     tensors = dp.state_dict()
     # DCP fills the tensors in place; the optimizer entry keeps its current values when skipped.
     load_in_place(tensors if optimizer_states else {"model": tensors["model"]}, path)

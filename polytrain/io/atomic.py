@@ -42,17 +42,37 @@ def fsync_tree(root: Path) -> None:
         fsync_path(d)
 
 
+def durable_mkdir(path: Path) -> None:
+    """`mkdir -p path`, with each directory it creates recorded in its parent on disk: a
+    rename into a new directory is not durable while that directory's own entry is not."""
+    path = Path(path)
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        path = path.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir()
+        except FileExistsError:
+            if not d.is_dir():
+                raise
+        fsync_path(d.parent)
+
+
 def durable_replace(src: Path, dst: Path) -> None:
-    """Rename `src` onto `dst` (a file or an empty-or-absent directory) and sync the parent."""
+    """Rename `src` onto `dst` (a file or an empty-or-absent directory) and sync the parent
+    (both parents when they differ: the rename changes the entries of each)."""
     os.replace(src, dst)
     fsync_path(dst.parent)
+    if Path(src).parent.resolve() != Path(dst).parent.resolve():
+        fsync_path(Path(src).parent)
 
 
 @contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
     """Yield a temporary path to write; on success it replaces `path`, on error it is removed."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    durable_mkdir(path.parent)
     # pid + random suffix: concurrent writers of the same target never share a temp file.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:

@@ -103,6 +103,17 @@ def _hf_dir(run: Path, tmp: Path) -> Path:
     return export_hf(run, tmp / "hf")
 
 
+def _damaged_run(run: Path, tmp: Path, name: str, at: Callable[[int], int], n: int) -> list[str]:
+    """`polytrain generate` on a copy of `run` whose step_1/`name` has n bytes flipped at at(size)."""
+    shutil.copytree(run, tmp / "run")
+    file = tmp / "run" / "checkpoints" / "step_1" / name
+    data = bytearray(file.read_bytes())
+    start = at(len(data))
+    data[start:start + n] = bytes(b ^ 0xFF for b in data[start:start + n])
+    file.write_bytes(bytes(data))
+    return ["generate", str(tmp / "run"), "--prompt", "x", "--max-new-tokens", "2"]
+
+
 def _out_bin_dir(tmp: Path) -> Path:
     (tmp / "out.bin").mkdir()
     return tmp / "out.bin"
@@ -126,11 +137,14 @@ CASES: dict[str, Callable[[Path, Path, Path], list[str]]] = {
     "prepare-val-fraction": lambda d, r, t: ["prepare", "stdlib", str(t / "o.bin"), "--val-fraction", "1.5"],
     "prepare-vocab-size": lambda d, r, t: ["prepare", "stdlib", str(t / "o.bin"), "--vocab-size", "10"],
     "prepare-out-is-dir": lambda d, r, t: ["prepare", str(d / "d.bin"), str(_out_bin_dir(t))],
+    "checkpoint-damaged": lambda d, r, t: _damaged_run(r, t, "__0_0.distcp", lambda size: size // 2, 4096),
+    "checkpoint-metadata-garbled": lambda d, r, t: _damaged_run(r, t, ".metadata", lambda size: 0, 64),
     "consolidate-run-dir": lambda d, r, t: ["consolidate", str(r), str(t / "model.safetensors")],
     "export-out-is-file": lambda d, r, t: ["convert", "--to", "hf", str(r), str(_file(t))],
     "import-out-is-file": lambda d, r, t: ["convert", str(_hf_dir(r, t)), str(_file(t))],
 }
-LAUNCHED = {"token-id-range-2-ranks"}  # through `polytrain train --parallel.nproc 2`, in a subprocess
+# through `polytrain train`, in a subprocess: here, and in tests/e2e/test_checkpoint_faults.py
+LAUNCHED = {"token-id-range-2-ranks", "checkpoint-disk-full", "checkpoint-rank-save-fails"}
 
 
 def test_every_row_has_a_case():
