@@ -122,6 +122,16 @@ def fresh_state(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tenso
     return dict(tensors)
 
 
+def _can_create_in(directory: Path) -> bool:
+    """Whether a file can be made in `directory`, by trying: permission bits do not bind root, and
+    a read-only or special file system (procfs, a read-only mount) refuses root too."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            return True
+    except OSError:
+        return False
+
+
 def check_nvme_path(nvme_path: str) -> None:
     """ConfigError unless `nvme_path` is, or can be created as, a writable directory."""
     path = Path(nvme_path).absolute()
@@ -129,6 +139,6 @@ def check_nvme_path(nvme_path: str) -> None:
     if not existing.is_dir():
         raise ConfigError(f"parallel.nvme_path = '{nvme_path}': {existing} is not a directory; "
                           "point it at a directory on a fast local disk")
-    if not os.access(existing, os.W_OK | os.X_OK):
+    if not _can_create_in(existing):
         raise ConfigError(f"parallel.nvme_path = '{nvme_path}': {existing} is not writable; "
                           "point it at a writable directory on a fast local disk")
