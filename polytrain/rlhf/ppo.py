@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from polytrain.checkpoint import RunDir, save_weights
-from polytrain.config import Config, ModelConfig, to_toml
+from polytrain.config import Config, ModelConfig, RLHFConfig, to_toml
 from polytrain.data import GlobalBatchSampler
 from polytrain.distributed.world import barrier
 from polytrain.errors import ConfigError
@@ -109,6 +109,13 @@ def check_hybrid_engine(cfg: Config, actor: ModelConfig, world_size: int) -> Non
         raise ConfigError(f"rlhf.inference_tp = {r.inference_tp} must divide the {world_size} rank(s) and split "
                           f"the actor's heads and FFN; values that fit: "
                           f"{', '.join(str(t) for t in fits if world_size % t == 0)}")
+
+
+def offload_frozen(r: RLHFConfig, reference: RoleModel, reward: RoleModel) -> None:
+    """rlhf.offload_reference / offload_reward: those frozen models in host memory while idle."""
+    for role, offload in ((reference, r.offload_reference), (reward, r.offload_reward)):
+        if offload:
+            role.offload_when_idle()
 
 
 def generation_for(cfg: Config, actor: RoleModel, stops: set[int]) -> Generation:
@@ -192,9 +199,7 @@ def run_ppo(run: RLHFRun) -> dict[str, Any]:
             batch = [examples[i] for i in ptx_sampler.next_batch()]
             return lm_loss_of_batch(actor, batch, run.pad_id, r.sft_mask_prompt, scale=r.ptx_coef)
 
-    for role, offload in ((reference, r.offload_reference), (reward, r.offload_reward)):
-        if offload:
-            role.offload_when_idle()
+    offload_frozen(r, reference, reward)
     generation = generation_for(cfg, actor, stop_tokens(run.tokenizer))
     engine = PPOEngine(actor, reference, reward, critic, r, generation, run.pad_id, ptx)
 
