@@ -61,11 +61,12 @@ def unpark(parked: Parked) -> None:
 class IdleOffload:
     """One frozen model's parameters, parked in host memory except inside `resident()`."""
 
-    def __init__(self, model: nn.Module, runtime: Runtime):
+    def __init__(self, model: nn.Module, runtime: Runtime, copies: bool | None = None):
+        """copies: park the bytes (default: unless the device is host memory; True lets a CPU test run the path)."""
         self.model = model
         self.moves = 0
         """Times the model was parked (calls, also where nothing is copied): for tests and logs."""
-        self.copies = runtime.device.type != HOST.type  # a CPU run's device is host memory already
+        self.copies = runtime.device.type != HOST.type if copies is None else copies
         self.pin = runtime.acc.pin_memory_available()
         self._parked: Parked | None = None
         self.to_host()

@@ -111,11 +111,11 @@ def check_hybrid_engine(cfg: Config, actor: ModelConfig, world_size: int) -> Non
                           f"{', '.join(str(t) for t in fits if world_size % t == 0)}")
 
 
-def offload_frozen(r: RLHFConfig, reference: RoleModel, reward: RoleModel) -> None:
+def offload_frozen(r: RLHFConfig, reference: RoleModel, reward: RoleModel, copies: bool | None = None) -> None:
     """rlhf.offload_reference / offload_reward: those frozen models in host memory while idle."""
     for role, offload in ((reference, r.offload_reference), (reward, r.offload_reward)):
         if offload:
-            role.offload_when_idle()
+            role.offload_when_idle(copies)
 
 
 def generation_for(cfg: Config, actor: RoleModel, stops: set[int]) -> Generation:

@@ -131,9 +131,9 @@ class RoleModel:
         self._multiple = runtime.dims.tp if runtime.dims.sp else 1
         self.idle: IdleOffload | None = None  # set by offload_when_idle
 
-    def offload_when_idle(self) -> None:
-        """Keep this frozen model in host memory except inside `resident()` (rlhf.offload_*)."""
-        self.idle = IdleOffload(self.model, self.runtime)
+    def offload_when_idle(self, copies: bool | None = None) -> None:
+        """Keep this frozen model in host memory except inside `resident()` (rlhf.offload_*; `copies`: IdleOffload's)."""
+        self.idle = IdleOffload(self.model, self.runtime, copies)
 
     def resident(self) -> contextlib.AbstractContextManager:
         """The model on the device for the block (always, unless offload_when_idle was called)."""

@@ -52,6 +52,11 @@ def _full(model: torch.nn.Module) -> dict:
             for n, p in model.named_parameters()}
 
 
+def _local_bytes(model: torch.nn.Module) -> int:
+    """Bytes this rank's parameters hold in their storages (0 when parked)."""
+    return sum((p.to_local() if isinstance(p, DTensor) else p).untyped_storage().nbytes() for p in model.parameters())
+
+
 @torch.no_grad()
 def _set_adapters(model: torch.nn.Module) -> None:
     """B of every adapter from (name)-seeded noise, so fusing them matters; the same at every layout."""
@@ -91,7 +96,7 @@ def _ppo_step(rank: int, world_size: int, layouts: list[list[str]]) -> list[dict
         if cfg.lora.rank:
             _set_adapters(roles["actor"].model)
         before = _full(roles["actor"].model)
-        offload_frozen(cfg.rlhf, roles["reference"], roles["reward"])
+        offload_frozen(cfg.rlhf, roles["reference"], roles["reward"], copies=True)  # bytes moved, on a CPU too
         generation = generation_for(cfg, roles["actor"], set(range(8)))
         engine = PPOEngine(roles["actor"], roles["reference"], roles["reward"], roles["critic"], cfg.rlhf,
                            generation, pad_id=0)
@@ -100,7 +105,8 @@ def _ppo_step(rank: int, world_size: int, layouts: list[list[str]]) -> list[dict
                     "advantages": exp.advantages.cpu().numpy(), "before": before,
                     "actor": _full(roles["actor"].model), "critic": _full(roles["critic"].model),
                     "generation": type(generation).__name__,
-                    "offload_moves": {n: r.idle.moves for n, r in roles.items() if r.idle is not None}})
+                    "offload_moves": {n: r.idle.moves for n, r in roles.items() if r.idle is not None},
+                    "parked_bytes": {n: _local_bytes(r.model) for n, r in roles.items() if r.idle is not None}})
         for role in roles.values():
             role.close()
     return out
@@ -157,8 +163,9 @@ def test_the_hybrid_engine_reproduces_the_training_layout_run(results):
     assert rank0["dp2_zero3_lora"]["generation"] == "TrainingLayoutGeneration"
     for ranks in (rank0, rank1):
         _assert_same_step(ranks["dp2_zero3_lora_engine"], ranks["dp2_zero3_lora"])
-        # parked at build, then after the reference's pass and the reward model's one
+        # parked at build (their storages freed: the ZeRO-3 reference's shards too), then after each pass
         assert ranks["dp2_zero3_engine"]["offload_moves"] == {"reference": 2, "reward": 2}
+        assert ranks["dp2_zero3_engine"]["parked_bytes"] == {"reference": 0, "reward": 0}
         assert ranks["dp2_zero3"]["offload_moves"] == {}
     assert _moved(rank0["dp2_zero3_lora"]) > 1e-3  # the adapters trained
     assert rank0["dp2_zero3_lora"]["responses"] != rank0["dp2_zero3"]["responses"]  # and changed the samples
