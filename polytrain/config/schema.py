@@ -293,6 +293,16 @@ class RLHFConfig:
     """Step 3: EMA decay per step."""
     ptx_coef: float = 0.0
     """Step 3: weight of a language-model loss on step 1's data after each actor step (0 = off; DS-Chat 27.8)."""
+    hybrid_engine: bool = True
+    """Step 3: sample through the Hybrid Engine (the actor gathered once per rollout, LoRA fused); false = the training layout."""
+    inference_tp: int = 1
+    """Step 3, hybrid engine: tensor-parallel degree of the generation copy (1 = whole on every rank; > 1 needs the actor at tp 1)."""
+    gather_blocks: int = 0
+    """Step 3, hybrid engine: blocks gathered out of the actor's shards at a time (0 = all at once; a few when memory is short)."""
+    offload_reference: bool = False
+    """Step 3: keep the frozen reference in host memory while idle, on the device only for its pass."""
+    offload_reward: bool = False
+    """Step 3: keep the frozen reward model in host memory while idle, on the device only for its passes."""
     actor_from: str = ""
     """Step 1's starting actor: "" = the [model] section (a preset, weights seeded by name), or an HF model or polytrain run directory."""
     reward_from: str = ""

@@ -16,9 +16,10 @@ inference layout once per rollout. Here, per `generate` call:
    weights (W + alpha / r * B A, in fp32), and the value is written into a fresh plain model
    of the same architecture: whole, or split over `inference_tp` ranks by the
    architecture's plan (only this rank's slice is kept);
-2. generate: polytrain's KV-cached `generate` over the batch of left-padded prompts; with
-   inference_tp > 1 the ranks of an inference tp group first all-gather their prompts,
-   generate the union together and each keeps its own rows;
+2. generate: polytrain's KV-cached `generate` over the batch of left-padded prompts (each row
+   from its own seeded generator when given `row_seeds`); with inference_tp > 1 the ranks of
+   an inference tp group first all-gather their prompts, generate the union together and
+   each keeps its own rows;
 3. release: the generation model and its KV cache are dropped. The training model is only
    read, so the next training step runs in its own layout unchanged.
 """
@@ -133,26 +134,36 @@ class HybridEngine:
             del copy  # the gathered weights go; generate's KV cache went with its call
             gc.collect()
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, **sampling) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, row_seeds: list[int] | None = None,
+                 **sampling) -> list[list[int]]:
         """This rank's prompts continued through the gathered copy (see `generate` for `sampling`);
-        collective over every rank, each with its own prompts. `phases` gets the generate phase too."""
+        `row_seeds[b]` seeds row b's own generator (so its tokens do not depend on its batch or
+        on the layout). Collective over every rank, each with its own prompts; `phases` gets the
+        generate phase too."""
         with self.generation_model() as copy:
             start = time.perf_counter()
-            mine, rows = self._group_prompts(prompts) if self.inference is not None else (prompts, slice(None))
-            new = generate(copy, mine, max_new_tokens, **sampling)[rows]
+            seeds = row_seeds if row_seeds is not None else [None] * len(prompts)
+            rows, mine = self.group_rows(list(zip(prompts, seeds)))
+            if row_seeds is not None:
+                device = self.runtime.device
+                sampling["row_generators"] = [torch.Generator(device=device).manual_seed(s) for _, s in rows]
+            new = generate(copy, [p for p, _ in rows], max_new_tokens, **sampling)[mine]
             self.runtime.acc.synchronize()
             self.phases["generate"] = {"s": time.perf_counter() - start, "tokens": sum(len(t) for t in new),
                                        "peak_gb": self.runtime.acc.memory_stats()["peak_gb"]}
         return new
 
-    def _group_prompts(self, prompts: list[list[int]]) -> tuple[list[list[int]], slice]:
-        """The inference tp group's prompts, in rank order, and the rows that are this rank's."""
+    def group_rows(self, rows: list) -> tuple[list, slice]:
+        """The rows (any picklable per-row items) the inference tp group generates together, in rank
+        order, and the slice of them that is this rank's; `rows` itself at inference tp 1."""
+        if self.inference is None:
+            return rows, slice(None)
         group = self.inference.mesh["tp"].get_group()
         everyone: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, prompts, group=group)
+        dist.all_gather_object(everyone, rows, group=group)
         me = self.inference.mesh["tp"].get_local_rank()
-        start = sum(len(p) for p in everyone[:me])
-        return [p for ps in everyone for p in ps], slice(start, start + len(prompts))
+        start = sum(len(r) for r in everyone[:me])
+        return [r for rs in everyone for r in rs], slice(start, start + len(rows))
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:

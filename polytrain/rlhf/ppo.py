@@ -7,8 +7,15 @@ step 3's prompts and trains on them once (ppo_engine.py). Per logged step metric
 holds `reward` (the reward model's clipped score), `kl` (log pi - log pi_ref summed over a
 response), `policy_loss`, `value_loss` (PPO), `clip_frac`, `entropy`, `response_len` and
 `task_score`, the true metric of the built-in task (null for a user's data) that shows
-reward hacking the reward model's score hides; every run.eval_every steps and at both
-ends the held-out prompts give `eval_reward` and `eval_task_score`. reward.png draws them.
+reward hacking the reward model's score hides, and the step's cost: `time_generate`,
+`time_experience`, `time_train` (seconds), `gen_tokens_per_s` and each phase's `peak_gb_*`;
+every run.eval_every steps and at both ends the held-out prompts give `eval_reward` and
+`eval_task_score`. reward.png draws them.
+
+The rollout samples through the Hybrid Engine (rlhf.hybrid_engine, default; rollout.py),
+else through the actor's training layout: the same tokens either way. rlhf.offload_reference
+and rlhf.offload_reward keep those frozen models in host memory between their passes
+(offload.py).
 
 The checkpoint holds the actor under `model` (so `polytrain chat`, `generate`,
 `consolidate` and `convert --to hf` read it as any run's model), the critic under
@@ -24,18 +31,27 @@ from pathlib import Path
 from typing import Any
 
 from polytrain.checkpoint import RunDir, save_weights
-from polytrain.config import Config, ModelConfig, to_toml
+from polytrain.config import Config, ModelConfig, RLHFConfig, to_toml
 from polytrain.data import GlobalBatchSampler
 from polytrain.distributed.world import barrier
 from polytrain.errors import ConfigError
+from polytrain.distributed.tensor_parallel.checks import valid_tp_degrees
+from polytrain.inference.hybrid_engine import HybridEngine
 from polytrain.inference.load import stop_tokens
+from polytrain.models import ARCHITECTURES
 from polytrain.models.registry import shape_config
 from polytrain.rlhf.context import RLHFRun
 from polytrain.rlhf.plan import step_dir
 from polytrain.rlhf.plots import plot_panels
 from polytrain.rlhf.ppo_engine import PPOEngine
-from polytrain.rlhf.roles import build_role, role_config
-from polytrain.rlhf.rollout import Rollout, Sampling, TrainingLayoutGeneration
+from polytrain.rlhf.roles import RoleModel, build_role, role_config, role_layout
+from polytrain.rlhf.rollout import (
+    Generation,
+    HybridEngineGeneration,
+    Rollout,
+    Sampling,
+    TrainingLayoutGeneration,
+)
 from polytrain.rlhf.reward import trained_reward_model
 from polytrain.rlhf.sft import lm_loss_of_batch
 from polytrain.rlhf.sources import Start
@@ -70,6 +86,46 @@ def _check(cfg: Config, actor: ModelConfig, reward: ModelConfig) -> None:
     if r.algorithm == "grpo" and cfg.train.global_batch_size % r.group_size:
         raise ConfigError(f"train.global_batch_size = {cfg.train.global_batch_size} must be a multiple of "
                           f"rlhf.group_size = {r.group_size} (GRPO samples a group per prompt)")
+
+
+def check_hybrid_engine(cfg: Config, actor: ModelConfig, world_size: int) -> None:
+    """rlhf.hybrid_engine / inference_tp / gather_blocks against the actor's layout and the world: one line."""
+    r = cfg.rlhf
+    if r.gather_blocks < 0:
+        raise ConfigError(f"rlhf.gather_blocks = {r.gather_blocks} must be >= 0 (0 = every block at once)")
+    if r.inference_tp < 1:
+        raise ConfigError(f"rlhf.inference_tp = {r.inference_tp} must be >= 1 (1 = a whole copy on every rank)")
+    if r.inference_tp == 1:
+        return
+    if not r.hybrid_engine:
+        raise ConfigError(f"rlhf.inference_tp = {r.inference_tp} splits the hybrid engine's copy, and "
+                          "rlhf.hybrid_engine = false generates through the training layout: set inference_tp to 1")
+    actor_tp = role_layout(cfg, "actor").tp
+    if actor_tp > 1:
+        raise ConfigError(f"rlhf.inference_tp = {r.inference_tp} re-splits a ZeRO-3 or replicated actor; this one "
+                          f"trains at tp {actor_tp} (rlhf.actor_tp / parallel.tp) and generates whole: set inference_tp to 1")
+    fits = valid_tp_degrees(actor, ARCHITECTURES[actor.arch].tp_shares_kv_heads)
+    if world_size % r.inference_tp or r.inference_tp not in fits:
+        raise ConfigError(f"rlhf.inference_tp = {r.inference_tp} must divide the {world_size} rank(s) and split "
+                          f"the actor's heads and FFN; values that fit: "
+                          f"{', '.join(str(t) for t in fits if world_size % t == 0)}")
+
+
+def offload_frozen(r: RLHFConfig, reference: RoleModel, reward: RoleModel, copies: bool | None = None) -> None:
+    """rlhf.offload_reference / offload_reward: those frozen models in host memory while idle."""
+    for role, offload in ((reference, r.offload_reference), (reward, r.offload_reward)):
+        if offload:
+            role.offload_when_idle(copies)
+
+
+def generation_for(cfg: Config, actor: RoleModel, stops: set[int]) -> Generation:
+    """Step 3's sampling: through the Hybrid Engine (rlhf.hybrid_engine) or the actor's training layout."""
+    r = cfg.rlhf
+    sampling = Sampling(r.max_new_tokens, r.temperature, r.top_k or None, r.top_p if r.top_p < 1 else None)
+    if not r.hybrid_engine:
+        return TrainingLayoutGeneration(actor.model, sampling, stops, cfg.run.seed, actor.autocast)
+    engine = HybridEngine(actor.runtime, actor.cfg, actor.model, r.inference_tp, r.gather_blocks)
+    return HybridEngineGeneration(engine, sampling, stops, cfg.run.seed, actor.autocast)
 
 
 class Step3State:
@@ -143,9 +199,8 @@ def run_ppo(run: RLHFRun) -> dict[str, Any]:
             batch = [examples[i] for i in ptx_sampler.next_batch()]
             return lm_loss_of_batch(actor, batch, run.pad_id, r.sft_mask_prompt, scale=r.ptx_coef)
 
-    sampling = Sampling(r.max_new_tokens, r.temperature, r.top_k or None, r.top_p if r.top_p < 1 else None)
-    generation = TrainingLayoutGeneration(actor.model, sampling, stop_tokens(run.tokenizer), cfg.run.seed,
-                                          actor.autocast)
+    offload_frozen(r, reference, reward)
+    generation = generation_for(cfg, actor, stop_tokens(run.tokenizer))
     engine = PPOEngine(actor, reference, reward, critic, r, generation, run.pad_id, ptx)
 
     state = step.resume(Step3State(engine), actor)

@@ -2,6 +2,7 @@
 
     engine = PPOEngine(actor, reference, reward, critic, cfg.rlhf, generation, pad_id)
     stats, exp = engine.step(prompts, sample_ids, step)     # the global batch's prompts, every rank
+    stats["time_generate"], stats["gen_tokens_per_s"]       # and time_experience, time_train, peak_gb_*
 
 DeepSpeed-Chat's order, strictly on-policy (generation batch = training batch, one PPO
 epoch): generate -> the actor's and the reference's log-probabilities, the reward model's
@@ -11,19 +12,23 @@ pre-training-mix step when rlhf.ptx_coef > 0) -> one critic step -> the EMA acto
 Every model works on its own data-parallel slice of the global batch (`exchange`), and
 every rank ends up with the whole batch's experience, so the models may have different
 layouts. `generation` is the sampling seam (rollout.Generation): the engine calls it with
-this rank's rows of the actor's slice and never looks inside.
+this rank's rows of the actor's slice and only reads the `phases` a Hybrid Engine reports.
+Each step also times its three phases (generate, experience, train) and records their
+peak memory, for ppo/metrics.jsonl.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from polytrain.config import RLHFConfig
-from polytrain.distributed.world import mean_over_world
+from polytrain.distributed.world import max_over_world, mean_over_world
 from polytrain.rlhf import losses
 from polytrain.rlhf.exchange import gather_objects, gather_rows, row_range
 from polytrain.rlhf.experience import (
@@ -85,7 +90,8 @@ class PPOEngine:
         role.model.eval()
         mine = row_range(ids.shape[0], role.runtime)
         mbs = role.batch.micro_batch_size
-        parts = [fn(ids[i:min(i + mbs, mine.stop)]) for i in range(mine.start, mine.stop, mbs)]
+        with role.resident():  # an offloaded frozen model comes to the device for its pass only
+            parts = [fn(ids[i:min(i + mbs, mine.stop)]) for i in range(mine.start, mine.stop, mbs)]
         return gather_rows(torch.cat(parts), role.runtime).to(self.actor.runtime.device)
 
     def scores(self, rollout: Rollout) -> torch.Tensor:
@@ -143,15 +149,37 @@ class PPOEngine:
         stats = self._train(self.critic, exp, loss_of)
         return {"value_loss": stats["value_loss"], "critic_grad_norm": self.critic.step(step)["grad_norm"]}
 
+    @contextlib.contextmanager
+    def _phase(self, name: str, stats: dict[str, Any]) -> Iterator[None]:
+        """stats[time_<name>]: this rank's seconds in the block; stats[peak_gb_<name>]: the largest rank's
+        peak memory in it (the accelerator's allocator, on a CPU the resident set)."""
+        acc = self.actor.runtime.acc
+        acc.synchronize()
+        acc.reset_peak_memory()
+        start = time.perf_counter()
+        yield
+        acc.synchronize()
+        stats[f"time_{name}"] = time.perf_counter() - start
+        peak = acc.memory_stats()["peak_gb"]
+        if name == "generate":  # the hybrid engine restarts the peak after its gather
+            peak = max([peak] + [p["peak_gb"] for p in getattr(self.generation, "phases", {}).values()])
+        stats[f"peak_gb_{name}"] = max_over_world(torch.tensor([peak], device=self.actor.runtime.device)).item()
+
     def step(self, prompts: Sequence[list[int]], sample_ids: Sequence[int], step: int
              ) -> tuple[dict[str, Any], Experience]:
-        """One step of step 3 on the global batch (every rank passes the same prompts); its metrics and experience."""
-        rollout = self.rollout(prompts, sample_ids, step)
-        exp = self.experience(rollout)
+        """One step of step 3 on the global batch (every rank passes the same prompts); its metrics and experience:
+        the losses and scores, and time_{generate,experience,train}, peak_gb_* and gen_tokens_per_s."""
+        timing: dict[str, Any] = {}
+        with self._phase("generate", timing):
+            rollout = self.rollout(prompts, sample_ids, step)
+        with self._phase("experience", timing):
+            exp = self.experience(rollout)
         stats = {"reward": exp.scores.mean().item(), "kl": sequence_kl(exp).mean().item(),
                  "entropy": sampled_entropy(exp).item(),
                  "response_len": rollout.response_lens.float().mean().item()}
-        stats.update(self.train_actor(exp, step))
-        if self.critic is not None:
-            stats.update(self.train_critic(exp, step))
-        return stats, exp
+        with self._phase("train", timing):
+            stats.update(self.train_actor(exp, step))
+            if self.critic is not None:
+                stats.update(self.train_critic(exp, step))
+        timing["gen_tokens_per_s"] = rollout.response_lens.sum().item() / max(timing["time_generate"], 1e-9)
+        return {**stats, **timing}, exp

@@ -22,6 +22,7 @@ every other [parallel] key (zero_shard, reduce_bucket_mb, nvme_path, sp) and [tr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import random
@@ -42,6 +43,7 @@ from polytrain.errors import ConfigError, TrainingDiverged
 from polytrain.optim.schedule import set_lr
 from polytrain.rlhf import losses
 from polytrain.rlhf.batches import IGNORE
+from polytrain.rlhf.offload import IdleOffload
 from polytrain.rlhf.sources import Start
 from polytrain.train.build import AUTOCAST, BuiltModel, build_model
 from polytrain.train.precision import LossScaler, check_fp16_autocast
@@ -127,6 +129,15 @@ class RoleModel:
         self._logprobs = tp.logprob_fn(cfg.model.vocab_size) if tp is not None else losses.token_logprobs
         # Under sequence parallelism a forward's length must divide by tp; rows are right-padded to it.
         self._multiple = runtime.dims.tp if runtime.dims.sp else 1
+        self.idle: IdleOffload | None = None  # set by offload_when_idle
+
+    def offload_when_idle(self, copies: bool | None = None) -> None:
+        """Keep this frozen model in host memory except inside `resident()` (rlhf.offload_*; `copies`: IdleOffload's)."""
+        self.idle = IdleOffload(self.model, self.runtime, copies)
+
+    def resident(self) -> contextlib.AbstractContextManager:
+        """The model on the device for the block (always, unless offload_when_idle was called)."""
+        return self.idle.resident() if self.idle is not None else contextlib.nullcontext()
 
     @property
     def model(self) -> nn.Module:

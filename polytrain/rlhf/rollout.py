@@ -1,14 +1,16 @@
 """Step 3's generation: responses sampled from the actor, the same tokens at every layout.
 
     generation = TrainingLayoutGeneration(actor.model, sampling, stop_tokens, seed, autocast)
+    generation = HybridEngineGeneration(HybridEngine(runtime, cfg, actor.model), sampling, stop_tokens, seed)
     responses = generation(prompts, sample_ids, step)      # this rank's rows of the global batch
     rollout = lay_out(all_prompts, all_responses, pad_id)  # the whole batch, right-padded
 
 `Generation` is the seam step 3 samples through (`PPOEngine.generation`): anything that
 maps (prompts, their global sample indices, the step) to response tokens can replace the
-default, which decodes through the actor as it is laid out for training (every ZeRO-3
-block gathered for every token). The Hybrid Engine (issue 17) is such a replacement: it
-gathers the weights once, generates in an inference layout and hands the same tokens back.
+training-layout one, which decodes through the actor as it is laid out for training (every
+ZeRO-3 block gathered for every token). `HybridEngineGeneration` (rlhf.hybrid_engine, the
+default in `polytrain rlhf`) is such a replacement: it gathers the weights once per rollout,
+generates in an inference layout and hands the same tokens back.
 
 Each sample draws from its own generator seeded by (run seed, step, global sample
 index), so what sample i of step k says does not depend on which rank generates it,
@@ -33,6 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from polytrain.inference.generate import generate
+from polytrain.inference.hybrid_engine import HybridEngine
 from polytrain.models.common.init import seed_for
 from polytrain.rlhf.batches import response_mask, right_pad
 
@@ -82,10 +85,15 @@ class Generation(Protocol):
     def __call__(self, prompts: Sequence[list[int]], sample_ids: Sequence[int], step: int | str) -> list[list[int]]: ...
 
 
+def sample_seeds(seed: int, step: int | str, sample_ids: Sequence[int]) -> list[int]:
+    """One generator seed per sample, from (seed, step, global sample index)."""
+    return [seed_for(seed, f"rollout/{step}/{i}") for i in sample_ids]
+
+
 def sample_generators(seed: int, step: int | str, sample_ids: Sequence[int],
                       device: torch.device | str = "cpu") -> list[torch.Generator]:
-    """One generator per sample, seeded by (seed, step, global sample index)."""
-    return [torch.Generator(device=device).manual_seed(seed_for(seed, f"rollout/{step}/{i}")) for i in sample_ids]
+    """One generator per sample, seeded by `sample_seeds`."""
+    return [torch.Generator(device=device).manual_seed(s) for s in sample_seeds(seed, step, sample_ids)]
 
 
 def all_ranks_done(device: torch.device) -> Callable[[bool], bool]:
@@ -118,6 +126,34 @@ class TrainingLayoutGeneration:
                             top_p=s.top_p, stop_tokens=self.stop_tokens,
                             row_generators=sample_generators(self.seed, step, sample_ids, device),
                             all_done=all_ranks_done(device))
+
+
+@dataclass
+class HybridEngineGeneration:
+    """Generation through the Hybrid Engine (rlhf.hybrid_engine): once per rollout the actor is
+    gathered out of its training layout (a group of blocks at a time, LoRA fused) into a plain
+    or inference-tp copy, which samples with the KV cache over the left-padded prompts and is
+    then released. Each sample keeps its seeded generator, so the tokens are those of
+    TrainingLayoutGeneration; no collective runs per token (the copy is whole, or its tp group
+    decodes the same rows)."""
+
+    engine: HybridEngine
+    sampling: Sampling
+    stop_tokens: set[int]
+    seed: int
+    autocast: Callable[[], ContextManager] = contextlib.nullcontext
+
+    @property
+    def phases(self) -> dict[str, dict[str, float]]:
+        """The last rollout's gather and generate phases: seconds, peak memory (GiB)."""
+        return self.engine.phases
+
+    def __call__(self, prompts: Sequence[list[int]], sample_ids: Sequence[int], step: int | str) -> list[list[int]]:
+        s = self.sampling
+        with self.autocast():
+            return self.engine.generate(list(prompts), s.max_new_tokens, sample_seeds(self.seed, step, sample_ids),
+                                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                        stop_tokens=self.stop_tokens)
 
 
 def lay_out(prompts: Sequence[list[int]], responses: Sequence[list[int]], pad_id: int) -> Rollout:

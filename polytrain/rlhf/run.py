@@ -24,7 +24,7 @@ from polytrain.data.preference import parse_split
 from polytrain.distributed.world import init_world
 from polytrain.rlhf.context import RLHFRun
 from polytrain.rlhf.plan import COMPLETE, STEPS, check_inputs, is_complete, parse_steps, step_dir
-from polytrain.rlhf.ppo import run_ppo, step3_configs
+from polytrain.rlhf.ppo import check_hybrid_engine, run_ppo, step3_configs
 from polytrain.rlhf.reward import run_reward
 from polytrain.rlhf.roles import role_config
 from polytrain.rlhf.sft import run_sft
@@ -45,6 +45,7 @@ def check_rlhf(cfg: Config, world_size: int) -> tuple[str, ...]:
     configs = [role_config(cfg, "actor", actor, lr=lr, steps=n), role_config(cfg, "reward", reward, lr=lr, steps=n)]
     if "ppo" in steps:
         configs += step3_configs(cfg, cfg.run_dir, actor, reward).values()
+        check_hybrid_engine(cfg, actor, world_size)
     for step_cfg in configs:
         plan_layout(step_cfg, world_size)
     return steps

@@ -1,6 +1,8 @@
 """`polytrain rlhf` end to end on the built-in task, a tiny model, seconds: the three run directories, their
 metrics rows, a resume that reproduces the run exactly, finished steps skipped, step 3 without its inputs
-as one line naming the step to run, GRPO with the EMA actor and the pre-training mix, and `polytrain chat`.
+as one line naming the step to run, step 3 through the training layout (rlhf.hybrid_engine false) with the
+frozen models offloaded giving the engine's numbers, GRPO with the EMA actor and the pre-training mix, and
+`polytrain chat`.
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ def test_three_steps_write_ordinary_run_directories(run):
         assert set(r) >= {"step", "reward", "kl", "policy_loss", "value_loss", "clip_frac", "response_len",
                           "task_score", "entropy"}
         assert 0 <= r["task_score"] <= 1 and 0 < r["response_len"] <= 6
+        for key in ("time_generate", "time_experience", "time_train", "gen_tokens_per_s", "peak_gb_generate",
+                    "peak_gb_experience", "peak_gb_train"):
+            assert r[key] > 0, key
+        assert r["gen_tokens_per_s"] == pytest.approx(8 * r["response_len"] / r["time_generate"], rel=1e-6)
     evals = [r for r in read_metrics(run / "ppo") if "eval_task_score" in r]
     assert [r["step"] for r in evals] == [0, 4]
     summary = json.loads((run / "ppo" / "complete.json").read_text())
@@ -92,6 +98,20 @@ def test_step_3_without_a_reward_model_is_one_line_naming_step_2(run, tmp_path, 
     assert main(_args(fresh, "--rlhf.steps", "grpo")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "step 3 (ppo) needs step 2 (reward)" in err[0] and err[0].endswith("--rlhf.steps 2,3")
+
+
+def test_step_3_without_the_engine_and_with_offloaded_frozen_models_gives_the_same_run(run, tmp_path):
+    off = tmp_path / "off"
+    shutil.copytree(run, off, ignore=shutil.ignore_patterns("ppo"))
+    assert main(_args(off, "--rlhf.hybrid_engine", "false", "--rlhf.offload_reference", "true",
+                      "--rlhf.offload_reward", "true")) == 0
+    want, got = read_metrics(run / "ppo"), read_metrics(off / "ppo")
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(want, got):  # every step's rollout, losses and the held-out evaluations
+        for key in ("reward", "kl", "policy_loss", "value_loss", "task_score", "response_len", "eval_reward",
+                    "eval_task_score"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
 
 
 def test_grpo_with_ema_and_ptx_then_chat(run, tmp_path):

@@ -61,3 +61,30 @@ def test_rlhf_keys_load_from_the_command_line_and_fail_one_line_each():
                           (["--rlhf.max_new_tokens", "0"], "rlhf.max_new_tokens = 0 must be positive")):
         with pytest.raises(ConfigError, match=message):
             load_config(None, args)
+
+
+def test_hybrid_engine_keys_are_checked_at_start_up_one_line_each(tmp_path):
+    from polytrain.config import load_config
+    from polytrain.rlhf.run import check_rlhf
+
+    base = ["--run.out_dir", str(tmp_path), "--model.dim", "32", "--model.n_layers", "2", "--model.n_heads", "4",
+            "--model.n_kv_heads", "2", "--model.ffn_dim", "64", "--model.vocab_size", "64", "--train.global_batch_size",
+            "4", "--train.micro_batch_size", "1"]
+    defaults = load_config(None, base).rlhf
+    assert defaults.hybrid_engine and defaults.inference_tp == 1 and defaults.gather_blocks == 0
+    assert not defaults.offload_reference and not defaults.offload_reward
+    check_rlhf(load_config(None, base + ["--rlhf.inference_tp", "2", "--rlhf.gather_blocks", "1"]), 2)
+    for args, world, message in (
+            (["--rlhf.inference_tp", "0"], 1, r"rlhf.inference_tp = 0 must be >= 1"),
+            (["--rlhf.gather_blocks", "-1"], 1, r"rlhf.gather_blocks = -1 must be >= 0"),
+            (["--rlhf.inference_tp", "2", "--rlhf.hybrid_engine", "false"], 2,
+             r"rlhf.hybrid_engine = false generates through the training layout: set inference_tp to 1$"),
+            (["--rlhf.inference_tp", "2", "--rlhf.actor_tp", "2"], 2, r"trains at tp 2 .* set inference_tp to 1$"),
+            (["--rlhf.inference_tp", "4"], 2, r"rlhf.inference_tp = 4 must divide the 2 rank\(s\).*fit: 1, 2$"),
+            (["--rlhf.inference_tp", "3"], 3, r"rlhf.inference_tp = 3 must divide the 3 rank\(s\) and split "
+                                              r"the actor's heads and FFN; values that fit: 1$")):
+        with pytest.raises(ConfigError, match=message) as err:
+            check_rlhf(load_config(None, base + args), world)
+        assert "\n" not in str(err.value)
+    # Steps 1 and 2 alone do not sample: the engine keys are not theirs to refuse.
+    check_rlhf(load_config(None, base + ["--rlhf.inference_tp", "3", "--rlhf.steps", "1,2"]), 1)
