@@ -119,3 +119,18 @@ def test_t5_logits(kw, tmp_path):
         ours = convert(hf, tmp_path)(src, tgt, attention_mask=mask)
         theirs = hf(input_ids=src, decoder_input_ids=tgt, attention_mask=mask).logits
     assert_close(ours, theirs)
+
+
+def test_pack_wqkv_is_the_layout_internlm2s_published_code_reads():
+    """The fixture's packing against InternLM2's own reading of wqkv, not polytrain's: its modeling
+    code splits the projection as rearrange(qkv, "b q (h gs d) -> b q h gs d", gs=n_rep + 2),
+    queries = [..., :n_rep, :], keys = [..., -2, :], values = [..., -1, :], and the public
+    conversion scripts (e.g. lightllm's loader) reshape the weight to (Hkv, n_rep + 2, D, dim)
+    the same way. Written here from that description."""
+    heads, kv_heads, head_dim, dim = 8, 2, 4, 16
+    q = torch.randn(heads * head_dim, dim)
+    k, v = torch.randn(kv_heads * head_dim, dim), torch.randn(kv_heads * head_dim, dim)
+    groups = hf_models.pack_wqkv(q, k, v, kv_heads).view(kv_heads, heads // kv_heads + 2, head_dim, dim)
+    assert torch.equal(groups[:, :-2].reshape(-1, dim), q)
+    assert torch.equal(groups[:, -2].reshape(-1, dim), k)
+    assert torch.equal(groups[:, -1].reshape(-1, dim), v)

@@ -222,8 +222,10 @@ def test_fp16_training_matches_fp32():
     fp16, scaler = _train(True, steps=30)
     assert fp32 < 0.3 * initial
     # fp16 rounds matmul inputs to 11 significant bits (relative error ~5e-4); over 30 Adam
-    # steps that moves the final loss by a few percent (measured: up to 3%).
-    assert fp16 == pytest.approx(fp32, rel=0.1)
+    # steps that moves the final loss by a few percent (measured: 3.1%), against a 7.5x fall
+    # from the initial loss. Not equal either: the run must really have computed in fp16.
+    assert fp16 == pytest.approx(fp32, rel=0.05)
+    assert fp16 != fp32
     assert scaler.skipped_steps == 0
 
     # Too high a start: the scaler backs off through skipped steps. A skipped full-batch step
