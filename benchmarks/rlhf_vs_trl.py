@@ -1,7 +1,7 @@
 """polytrain's RLHF steps 2 and 3 beside TRL's RewardTrainer and GRPOTrainer, same models, same data, one run.
 
-    python benchmarks/rlhf_vs_trl.py [--out /tmp/rlhf_vs_trl] [--reward-steps 100] [--grpo-steps 10]
-                                     [--sft-steps N] [--trl-python /work/venvs/rlhf/bin/python] [--json out.json]
+    python benchmarks/rlhf_vs_trl.py [--out /tmp/rlhf_vs_trl] [--reward-steps 100] [--grpo-steps 10] [--sft-steps N]
+                                     [--seed S] [--trl-python /work/venvs/rlhf/bin/python] [--json out.json]
 
 1. `polytrain rlhf --config configs/rlhf_tiny.toml --rlhf.steps 1,2`: the SFT actor, then polytrain's reward
    model after --reward-steps steps, with its held-out accuracy.
@@ -23,6 +23,7 @@ token), polytrain's at the end-of-text token; the schedules differ in their floo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -98,11 +99,14 @@ def main() -> None:
     parser.add_argument("--grpo-steps", type=int, default=10)
     parser.add_argument("--sft-steps", type=int, default=0, help="step 1's steps (0 = the config's)")
     parser.add_argument("--trl-python", default="/work/venvs/rlhf/bin/python")
+    parser.add_argument("--seed", type=int, default=None, help="run.seed (default: the config's)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     from polytrain.config import load_config
 
     cfg = load_config(CONFIG)
+    if args.seed is not None:
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, seed=args.seed))
     out = args.out
     run = out / "polytrain"
     for old in (run, out / "sft_hf", out / "trl_rm"):  # a finished polytrain step would be skipped: start afresh
@@ -110,7 +114,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     polytrain = [sys.executable, "-m", "polytrain.cli"]
     base = ["rlhf", "--config", str(CONFIG), "--run.out_dir", str(run), "--rlhf.reward_steps", str(args.reward_steps),
-            "--run.log_every", "1", "--run.eval_every", "0",  # held-out evaluations at the ends only, as TRL's
+            # held-out evaluations at the ends only, as TRL's
+            "--run.seed", str(cfg.run.seed), "--run.log_every", "1", "--run.eval_every", "0",
             *(["--rlhf.sft_steps", str(args.sft_steps)] if args.sft_steps else [])]
     _run(polytrain + base + ["--rlhf.steps", "1,2"])
     subprocess.run(polytrain + ["convert", "--to", "hf", str(run / "sft"), str(out / "sft_hf")], check=True,
@@ -136,7 +141,7 @@ def main() -> None:
 
     ours_step3 = json.loads((run / "ppo" / "complete.json").read_text())
     table = {
-        "reward_steps": args.reward_steps, "grpo_steps": args.grpo_steps,
+        "reward_steps": args.reward_steps, "grpo_steps": args.grpo_steps, "seed": cfg.run.seed,
         "rm_accuracy": {"polytrain": ours_rm, "trl": trl_rm["accuracy"]},
         "rm_pairs_per_s": {"polytrain": ours_rm_speed, "trl": trl_rm["samples_per_s"],
                            "ratio": ours_rm_speed / trl_rm["samples_per_s"]},

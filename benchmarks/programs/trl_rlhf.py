@@ -12,8 +12,9 @@ driver leaves in OUT:
 `reward` trains a LlamaForSequenceClassification started from sft_hf with TRL's RewardTrainer, scores the
 held-out pairs (accuracy: chosen above rejected) and writes OUT/trl_rm and OUT/trl_reward.json; `grpo` trains
 sft_hf with TRL's GRPOTrainer against OUT/trl_rm and writes OUT/trl_grpo.json, with one sampled response per
-held-out step-3 prompt before and after training (the driver scores them with the task's true metric). Speeds are samples (pairs,
-or sampled responses) per second over the optimizer steps after the first, as the driver measures polytrain.
+held-out step-3 prompt before and after training (the driver scores them with the task's true metric).
+Speeds are samples (pairs, or sampled responses) per second over the optimizer steps after the first, as the
+driver measures polytrain.
 """
 
 from __future__ import annotations
