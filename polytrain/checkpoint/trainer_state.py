@@ -267,11 +267,12 @@ class Checkpointer:
                 f"checkpoint {path} holds {state.optimizer} state but train.optimizer = "
                 f"{expect.optimizer}; resume with the same optimizer or set checkpoint.resume = none")
         # DCP fills this rank's tensors of the strategy's state dict in place; a weights-only
-        # checkpoint fills the model's and leaves the fresh optimizer state as it is.
+        # checkpoint fills the model's and leaves the fresh optimizer state as it is. Entries
+        # beside model and optim (RLHF step 3's critic, its optimizer, the EMA actor) load too.
         tensors_sd = tensors.state_dict()
         fill_model_state(path, state, tensors_sd["model"], seed)
         if not state.weights_only:
-            load_in_place({"optim": tensors_sd["optim"]}, path)
+            load_in_place({k: v for k, v in tensors_sd.items() if k != "model"}, path)
         tensors.load_state_dict(tensors_sd)
         if state.weights_only:
             return state
