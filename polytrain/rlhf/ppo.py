@@ -234,16 +234,17 @@ def run_ppo(run: RLHFRun) -> dict[str, Any]:
 
     first = evaluate() if done == 0 else {}
     saved = done if state is not None else None
-    while done < cfg.run.steps:
+    total = step.cfg.run.steps  # rlhf.ppo_steps, or run.steps when that is 0 (step3_configs)
+    while done < total:
         chosen = sampler.next_batch()
         batch_rows = [rows[i] for i in chosen for _ in range(group)]  # a GRPO group: consecutive rows
         stats, exp = engine.step([prompts[i] for i in chosen for _ in range(group)],
                                  [done * G + k for k in range(G)], done)
         stats["task_score"] = task_score(run, batch_rows, exp.rollout)
         done += 1
-        if done % cfg.run.log_every == 0 or done == cfg.run.steps:
+        if done % cfg.run.log_every == 0 or done == total:
             metrics.log({"step": done, **stats, "time": time.perf_counter() - start})
-        if cfg.run.eval_every and done % cfg.run.eval_every == 0 and done != cfg.run.steps:
+        if cfg.run.eval_every and done % cfg.run.eval_every == 0 and done != total:
             evaluate()
         if cfg.checkpoint.every and done % cfg.checkpoint.every == 0:
             save()

@@ -133,6 +133,14 @@ def test_grpo_with_ema_and_ptx_then_chat(run, tmp_path):
         assert out.getvalue().count("> ") == 2  # one reply, then the next prompt
 
 
+def test_each_step_runs_its_own_step_count_not_run_steps(run, tmp_path):
+    again = tmp_path / "again"
+    shutil.copytree(run, again, ignore=shutil.ignore_patterns("ppo"))
+    assert main(_args(again, "--rlhf.steps", "3", "--rlhf.ppo_steps", "2")) == 0  # run.steps is 4
+    assert [r["step"] for r in _step_rows(again, "ppo")] == [1, 2]
+    assert json.loads((again / "ppo" / "complete.json").read_text())["step"] == 2
+
+
 def test_the_actor_from_an_hf_directory_and_the_reward_model_from_a_run(run, tmp_path):
     from polytrain.convert import export_hf
 
