@@ -18,7 +18,6 @@ by `close()`, when the store is garbage collected, or at interpreter exit.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import weakref
