@@ -32,7 +32,7 @@ def parse_args() -> argparse.Namespace:
 def run(precision: str, steps: int, out: Path) -> list[dict]:
     cmd = [sys.executable, "-m", "polytrain.cli", "train", "--train.precision", precision,
            "--run.steps", str(steps), "--run.out_dir", str(out), "--checkpoint.resume", "none",
-           "--run.sample_tokens", "0"]
+           "--run.sample_tokens", "0", "--run.log_every", "1"]  # every step's loss: the gaps below index steps
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
