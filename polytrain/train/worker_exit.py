@@ -8,7 +8,7 @@ without an active exception", SIGABRT, exit 1 after a run that succeeded). So a 
 does the orderly part of shutdown itself, while the interpreter is whole, and then leaves
 with os._exit, which skips only the teardown that aborts:
 
-  1. non-daemon threads are joined (what Python's own shutdown waits for),
+  1. threading's exit hooks run and non-daemon threads are joined (Python's own first step),
   2. atexit handlers run (the program's, logging's flush, torch's own),
   3. the default process group, if still live, is destroyed,
   4. stdout and stderr are flushed, then os._exit(code).
@@ -54,9 +54,9 @@ def run_and_exit(main: Callable[[], int]) -> NoReturn:
 
 
 def finish(code: int) -> NoReturn:
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # The interpreter's own first step at exit: threading's exit hooks (concurrent.futures tells
+    # its pools' idle workers to stop), then every non-daemon thread joined.
+    threading._shutdown()
     try:
         atexit._run_exitfuncs()
     finally:

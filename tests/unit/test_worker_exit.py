@@ -7,7 +7,7 @@ import sys
 import textwrap
 
 PROGRAM = textwrap.dedent("""
-    import atexit, os, sys, threading, time
+    import atexit, concurrent.futures, os, sys, threading, time
     from pathlib import Path
     import torch.distributed as dist
     from polytrain.train.worker_exit import run_and_exit
@@ -20,6 +20,8 @@ PROGRAM = textwrap.dedent("""
         dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:0")
         atexit.register(lambda: (out / "atexit").write_text(str(dist.is_initialized())))
         threading.Thread(target=lambda: (time.sleep(0.3), (out / "thread").write_text("done"))).start()
+        pool = concurrent.futures.ThreadPoolExecutor(2)  # idle non-daemon workers: told to stop at exit
+        pool.submit(lambda: None).result()
         print("partial line without a newline", end="")
         if how == "exit":
             sys.exit(3)
