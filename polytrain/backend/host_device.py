@@ -245,17 +245,24 @@ class HostDevice:
         return False  # there are no graphs to capture on the host
 
     # --- memory ------------------------------------------------------------------------------
+    _seen_peak = 0  # the largest resident size a caller was told since the last reset
+
     def memory_allocated(self, device: Any = None) -> int:
-        return rss_bytes()
+        current = rss_bytes()
+        self._seen_peak = max(self._seen_peak, current)
+        return current
 
     def max_memory_allocated(self, device: Any = None) -> int:
-        return max(rss_bytes(), peak_rss_bytes())
+        # The kernel's high-water mark lags the resident size by a few pages: never report a
+        # peak below a size already reported.
+        return max(rss_bytes(), peak_rss_bytes(), self._seen_peak)
 
     memory_reserved = memory_cached = memory_allocated
     max_memory_reserved = max_memory_cached = max_memory_allocated
 
     def reset_peak_memory_stats(self, device: Any = None) -> None:
         reset_peak_rss()
+        self._seen_peak = 0
 
     reset_max_memory_allocated = reset_max_memory_cached = reset_peak_memory_stats
 
