@@ -32,7 +32,7 @@ from polytrain.optim.clip import clip_coefficient, global_norm
 
 
 class _ParamGroups:
-    """What the trainer reads of an optimizer (param_groups: the learning rate) over all stages' optimizers."""
+    """What the trainer reads of an optimizer (param_groups: the learning rate; state) over all stages' optimizers."""
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]):
         self.optimizers = optimizers
@@ -41,6 +41,11 @@ class _ParamGroups:
     def param_groups(self) -> list[dict]:
         # The group dicts themselves: setting group["lr"] reaches every stage's optimizer.
         return [g for opt in self.optimizers for g in opt.param_groups]
+
+    @property
+    def state(self) -> dict:
+        """Every stage optimizer's per-parameter state: the same dicts (restart_state zeroes them in place)."""
+        return {p: s for opt in self.optimizers for p, s in opt.state.items()}
 
 
 class PipelineDataParallel:
