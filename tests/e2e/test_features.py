@@ -46,7 +46,7 @@ def test_prepared_bin_as_source(small_corpus, tmp_path, capsys):
 
 def test_prepare_rejects_a_bad_output_path(small_corpus, tmp_path, capsys):
     assert main(["prepare", str(small_corpus), str(tmp_path / "x.txt")]) == 2
-    assert "must end in .bin" in capsys.readouterr().err
+    assert "must be a file name ending in .bin" in capsys.readouterr().err
 
 
 def test_keep_prunes_old_checkpoints_and_logs_every_row(small_corpus, tmp_path):

@@ -205,6 +205,6 @@ def test_convert_errors_name_the_problem(tmp_path, capsys):
     assert "scale_attn_by_inverse_layer_idx = true is not supported" in err
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
-    assert "is not empty" in _error(["convert", str(source), str(tmp_path / "full")], capsys)
+    assert "exists and is not an empty directory" in _error(["convert", str(source), str(tmp_path / "full")], capsys)
     assert "neither a polytrain run directory nor a checkpoint" in _error(
         ["convert", "--to", "hf", str(source), str(tmp_path / "o9")], capsys)
