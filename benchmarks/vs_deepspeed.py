@@ -64,6 +64,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from polytrain.config import Config, load_config
+from polytrain.train.worker_exit import run_and_exit
 
 FRAMEWORKS = ("deepspeed", "polytrain")
 
@@ -346,9 +347,8 @@ def report(args: argparse.Namespace, summary: dict, params: float, ds_version: s
 
 def main() -> None:
     args = parse_args()
-    if args.worker:
-        worker(args)
-        return
+    if args.worker:  # a rank of one job: it ends as polytrain's workers do (train/worker_exit.py)
+        run_and_exit(lambda: worker(args) or 0)
     try:
         import deepspeed
     except ImportError:

@@ -195,9 +195,10 @@ def launch(args: argparse.Namespace, framework: str, work: Path, tag: str) -> di
 
 def main() -> None:
     args = parse_args()
-    if args.worker:
-        worker(args)
-        return
+    if args.worker:  # a rank of one job: it ends as polytrain's workers do (train/worker_exit.py)
+        from polytrain.train.worker_exit import run_and_exit
+
+        run_and_exit(lambda: worker(args) or 0)
     import megatron.core
 
     from polytrain.backend import get_accelerator

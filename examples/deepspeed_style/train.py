@@ -23,6 +23,7 @@ from polytrain.data import GlobalBatchSampler, TokenDataset, prepare_corpus
 from polytrain.distributed.world import barrier, mean_over_world
 from polytrain.models.common.init import init_plain
 from polytrain.models.llama.model import Llama
+from polytrain.train.worker_exit import run_and_exit
 
 HERE = Path(__file__).resolve().parent
 MODEL = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128, "vocab_size": 512}
@@ -104,5 +105,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
-if __name__ == "__main__":
+def _exit_code() -> int:
     main()
+    return 0
+
+
+if __name__ == "__main__":
+    # End as polytrain's own workers do: exit handlers and the process group first, then out past
+    # the interpreter teardown where gloo's threads can abort a finished multi-rank job.
+    run_and_exit(_exit_code)
