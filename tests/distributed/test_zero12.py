@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,9 @@ from tests.distributed.test_parity import (
 )
 from tests.multirank import run_ranks
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # benchmarks/ is not installed
+from benchmarks.zero_memory_comm import expected_comm  # noqa: E402
+
 pytestmark = pytest.mark.slow
 SMALL_BUCKET_MB = "0.03"  # ~31 KB of gradients: the tiny model's 0.56 MB splits into many buckets
 
@@ -32,14 +36,29 @@ def _trainer(overrides: list[str]):
 
 def _train_and_count(rank: int, world_size: int, layouts: dict[str, list[str]]) -> dict[str, dict]:
     """Train each layout; report its collectives and bucket layout."""
+    import benchmarks.zero_memory_comm as counting  # noqa: PLC0415 (the repo root is on sys.path)
+
+    # Scalars (the loss, the gradient norm) stay "small"; a small last bucket counts with the model.
+    counting.SMALL_COLLECTIVE = 256
+
     out = {}
     for name, overrides in layouts.items():
         trainer = _trainer(overrides)
+        # An independent count of what goes on the wire: every c10d call of the training steps,
+        # wrapped from outside (the strategy's own tally is checked against it below).
+        wire, step = counting.CommCounter(), trainer.train_step
+
+        def counted_step(step=step, wire=wire):
+            with wire:
+                return step()
+
+        trainer.train_step = counted_step
         trainer.train()
         dp = trainer.dp
         out[name] = {"comm": dataclasses.asdict(dp.comm), "buckets": len(dp.buckets),
                      "padded": sum(b.size for b in dp.buckets) * world_size,
-                     "accum": trainer.batch.accum_steps, "stage": dp.stage}
+                     "accum": trainer.batch.accum_steps, "stage": dp.stage, "wire": wire.total("model"),
+                     "by_all_reduce": trainer.runtime.acc.reduce_scatter_by_all_reduce}
     return out
 
 
@@ -99,6 +118,10 @@ def test_zero12_match_single_process(world_size, reference, small_corpus, tmp_pa
         assert c["comm"]["reduce_scatter_calls"] == reductions * c["buckets"], what
         assert c["comm"]["reduce_scatter_bytes"] == reductions * n_params * 4, what
         assert c["comm"]["all_gather_bytes"] == steps * n_params * 4, what
+        # Bytes sent on the wire, counted independently: ring collectives over fp32 buffers,
+        # a reduce-scatter sent as an all-reduce where the accelerator says that is faster.
+        per_step = expected_comm(c["stage"], world_size, c["accum"], n_params, 0, 4, 2 if c["by_all_reduce"] else 1)
+        assert c["wire"] == pytest.approx(steps * per_step, rel=1e-9), what
 
 
 def _memory_probe(rank: int, world_size: int, corpus: Path, run_dir: Path) -> dict[str, dict]:
