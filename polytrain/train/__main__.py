@@ -7,19 +7,15 @@ Local workers:       polytrain train --parallel.nproc 4      (starts this module
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import warnings
 
-import torch.distributed as dist
-
 from polytrain.config import Config, load_config
-from polytrain.errors import PolytrainError
 from polytrain.train.elastic import elastic_config
 from polytrain.train.elastic_launch import ELASTIC_ENV
-from polytrain.train.launch import EXIT_USER_ERROR, LAUNCHED_ENV
-from polytrain.train.worker_exit import run_and_exit
+from polytrain.train.launch import LAUNCHED_ENV
+from polytrain.train.worker_exit import run_and_exit, run_rank
 
 
 def _take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
@@ -67,25 +63,13 @@ def run_worker(argv: list[str], cfg: Config | None = None) -> int:
     """
     from polytrain.train.trainer import Trainer, summary_lines
 
-    rank = int(os.environ.get("RANK", "0"))
-    # Rank 0 tells what it is doing (e.g. tokenizing the corpus once); the others stay quiet.
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
-    try:
-        cfg = cfg or config_from_argv(argv)
-        if cfg.parallel.elastic or os.environ.get(ELASTIC_ENV) == "1":
-            cfg = elastic_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-        trainer = Trainer(cfg)
-        summary = trainer.train()
-    except PolytrainError as e:
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return EXIT_USER_ERROR
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    if rank == 0:
-        print("\n".join(summary_lines(summary)), flush=True)
-    return 0
+    def work() -> list[str]:
+        config = cfg or config_from_argv(argv)
+        if config.parallel.elastic or os.environ.get(ELASTIC_ENV) == "1":
+            config = elastic_config(config, int(os.environ.get("WORLD_SIZE", "1")))
+        return summary_lines(Trainer(config).train())
+
+    return run_rank(work)
 
 
 if __name__ == "__main__":

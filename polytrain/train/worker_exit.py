@@ -17,6 +17,7 @@ with os._exit, which skips only the teardown that aborts:
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import sys
 import threading
@@ -25,6 +26,9 @@ from collections.abc import Callable
 from typing import NoReturn
 
 import torch.distributed as dist
+
+from polytrain.errors import PolytrainError
+from polytrain.train.launch import EXIT_USER_ERROR
 
 
 def exit_code(error: SystemExit) -> int:
@@ -35,6 +39,30 @@ def exit_code(error: SystemExit) -> int:
         return error.code
     print(error.code, file=sys.stderr)  # sys.exit("message"): printed, exit 1
     return 1
+
+
+def run_rank(work: Callable[[], list[str]]) -> int:
+    """One rank's job (training, RLHF): `work` returns its summary lines; returns the exit code.
+
+    Rank 0 logs what it is doing and prints the summary; the others stay quiet. A
+    PolytrainError (bad input, a refused checkpoint) is one `error:` line from rank 0 and
+    EXIT_USER_ERROR; anything else propagates to run_and_exit, which prints its traceback.
+    The process group is destroyed before the summary is printed, success or not.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
+    try:
+        lines = work()
+    except PolytrainError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if rank == 0:
+        print("\n".join(lines), flush=True)
+    return 0
 
 
 def run_and_exit(main: Callable[[], int]) -> NoReturn:
