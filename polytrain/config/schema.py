@@ -119,6 +119,10 @@ class DataConfig:
     """span (T5): mean length of the cut-out spans, each replaced by one sentinel."""
     task: str = _choices("lm", "passkey")
     """lm: the corpus's text; passkey: synthetic pass-key retrieval with the corpus as haystack (data/needle.py)."""
+    passkey_score: str = _choices("all", "answer")
+    """passkey: which targets are scored. all: every next token (the haystack's language modelling
+    teaches a small model the copying the task needs); answer: only the key's tokens (sharpens
+    long-range retrieval once the copying is there; validation loss is then the retrieval's alone)."""
     packed_documents: bool = False
     """Decoders: attention stays inside each document of a window (ends at end-of-text); positions restart per document."""
 

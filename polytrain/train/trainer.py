@@ -149,9 +149,10 @@ class Trainer:
         """(train, validation) windows: the corpus's tokens, or pass-key retrieval over its text
         (data.task); under pipeline and context parallelism they come out as this rank's shard."""
         d = self.cfg.data
-        if d.task == "passkey":  # every token scored: the haystack's language modelling teaches the copying
-            train = PasskeyDataset(self.tokenizer, seq_len, self.cfg.run.seed, source=d.source, score="all")
-            val = PasskeyDataset(self.tokenizer, seq_len, self.cfg.run.seed + 1, source=d.source, score="all")
+        if d.task == "passkey":
+            score = d.passkey_score
+            train = PasskeyDataset(self.tokenizer, seq_len, self.cfg.run.seed, source=d.source, score=score)
+            val = PasskeyDataset(self.tokenizer, seq_len, self.cfg.run.seed + 1, source=d.source, score=score)
         else:  # one corpus, or a blend (data.sources), in windows of data.seq_len
             train, val = self.corpus.train, self.corpus.val
         if self.pipeline is not None and self.cp is not None:  # the runner reads its batches itself

@@ -134,3 +134,21 @@ def test_generate_over_two_context_parallel_workers_equals_one_process(tmp_path,
     single = capfd.readouterr().out
     assert main(prompt + ["--parallel.cp", "2"]) == 0
     assert capfd.readouterr().out == single != "def main():\n    return\n"  # the same new tokens
+
+
+@pytest.mark.parametrize("score", ["all", "answer"])
+def test_trainer_scores_the_passkey_targets_data_passkey_score_names(small_corpus, tmp_path, score):
+    from polytrain.config import load_config
+    from polytrain.train.trainer import Trainer
+    from tests.conftest import tiny_overrides
+
+    cfg = load_config(None, tiny_overrides(small_corpus, tmp_path, data__task="passkey",
+                                           data__passkey_score=score, data__seq_len=96))
+    trainer = Trainer(cfg)
+    for data in (trainer.train_data, trainer.val_data):
+        inputs, targets = data.get_batch([0, 1])
+        scored = (targets >= 0).sum(dim=1)
+        if score == "all":  # every next token, the haystack's too
+            assert scored.tolist() == [96, 96] and torch.equal(inputs[:, 1:], targets[:, :-1])
+        else:  # the key's tokens (" 12345.") only, at the window's end
+            assert (scored < 10).all() and re.fullmatch(r" \d{5}\.", trainer.tokenizer.decode(targets[0][-int(scored[0]):]))
