@@ -54,7 +54,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("part", choices=("bytes", "kernel", "longest", "all"))
     p.add_argument("--seq-len", type=int, default=4096, help="bytes: tokens of the whole sequence")
-    p.add_argument("--reps", type=int, default=3, help="timed forward + backward runs per case")
+    p.add_argument("--reps", type=int, default=5, help="timed forward + backward runs per case (bytes: alternating rounds)")
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768], help="kernel")
     p.add_argument("--sdpa-max-gib", type=float, default=3.0,
                    help="kernel: skip SDPA with a dense mask where its (T, T) tensors would pass this")
@@ -75,47 +75,56 @@ def _rss_mib(field: str) -> float:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def _median_time(fn, reps: int) -> float:
-    fn()  # warm-up: first-touch allocations
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 # ----- bytes and modes -----------------------------------------------------------------------
 
 
 def _bytes_body(rank: int, world: int, seq_len: int, reps: int) -> dict:
+    import torch.distributed as dist
+
     from polytrain.distributed.collectives import comm_stats
     from polytrain.distributed.context_parallel import ContextParallel, new_cp_groups
     from polytrain.distributed.context_parallel.cost import attention_bytes
 
     B, H, Hkv, D = 1, 8, 2, 64
-    out = {}
+    out, steps = {}, {}
     for name, (groups, ulysses) in LAYOUTS.items():
         cp = ContextParallel(new_cp_groups(groups, ulysses))
         t = seq_len // cp.groups.size
         g = torch.Generator().manual_seed(rank)
         q, k, v = (torch.randn(B, h, t, D, generator=g, requires_grad=True) for h in (H, Hkv, Hkv))
 
-        def step():
+        def step(cp=cp, q=q, k=k, v=v):
             cp.attention(q, k, v, causal=True).sum().backward()
 
         with comm_stats() as ours, CommCounter() as c10d:
-            step()
+            step()  # also the warm-up of the timing below
         fwd, bwd = attention_bytes(B, seq_len, H, Hkv, D, cp.groups.ring_size, cp.groups.ulysses_size, 4)
-        seconds = _median_time(step, reps)
         out[name] = {"bytes": ours.total_bytes, "c10d_bytes": sum(b for _, b in c10d.calls.values()),
-                     "formula": fwd + bwd, "seconds": seconds, "tokens_per_s": seq_len / seconds}
-    out["deepspeed_ulysses4"] = _deepspeed_ulysses(seq_len, reps)
+                     "formula": fwd + bwd}
+        steps[name] = step
+    ds_step = _deepspeed_ulysses(seq_len)
+    if isinstance(ds_step, str):
+        out["deepspeed_ulysses4"] = {"error": ds_step}
+    else:
+        steps["deepspeed_ulysses4"] = ds_step
+        ds_step()  # warm-up
+    # Alternating rounds, the order rotating, every rank starting each step together.
+    names, times = list(steps), {name: [] for name in steps}
+    for r in range(reps):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            dist.barrier()
+            start = time.perf_counter()
+            steps[name]()
+            times[name].append(time.perf_counter() - start)
+    for name, ts in times.items():
+        out.setdefault(name, {}).update(seconds=statistics.median(ts), spread=(min(ts), max(ts)),
+                                        tokens_per_s=seq_len / statistics.median(ts))
     return out
 
 
-def _deepspeed_ulysses(seq_len: int, reps: int) -> dict:
-    """DeepSpeed's Ulysses layer over SDPA, 4 ranks, the same shapes (its layout: (T/P, B, H, D))."""
+def _deepspeed_ulysses(seq_len: int):
+    """DeepSpeed's Ulysses layer over SDPA, 4 ranks, the same shapes (its layout: (T/P, B, H, D)):
+    a forward + backward step to time, or why it cannot run."""
     try:
         import deepspeed
         import torch.distributed as dist
@@ -133,16 +142,18 @@ def _deepspeed_ulysses(seq_len: int, reps: int) -> dict:
         t = seq_len // dist.get_world_size()
         # It needs a key/value head per rank: the 2 heads repeated to 4, as polytrain does inside.
         q, k, v = (torch.randn(t, 1, h, 64, requires_grad=True) for h in (8, 4, 4))
-        seconds = _median_time(lambda: layer(q, k, v, 1).sum().backward(), reps)
-        return {"seconds": seconds, "tokens_per_s": seq_len / seconds}
+        return lambda: layer(q, k, v, 1).sum().backward()
     except Exception as e:  # report why, keep the other figures
-        return {"error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
+        return f"{type(e).__name__}: {e}".splitlines()[0][:200]
 
 
 def run_bytes(args) -> dict:
     per_rank = run_ranks(4, _bytes_body, args.seq_len, args.reps)
     print(f"one attention layer, causal, B 1, T {args.seq_len}, 8 query / 2 KV heads of 64, fp32, 4 gloo ranks")
-    print(f"{'layout':>10} {'bytes/rank':>12} {'formula':>12} {'ours/f':>7} {'c10d/f':>7} {'s/step':>7} {'tok/s':>8}")
+    print(f"{args.reps} alternating rounds; seconds of a forward + backward: median over rounds and ranks "
+          "(spread: fastest to slowest step of any rank)")
+    print(f"{'layout':>10} {'bytes/rank':>12} {'formula':>12} {'ours/f':>7} {'c10d/f':>7} {'s/step':>7} "
+          f"{'spread':>13} {'tok/s':>8}")
     table = {}
     for name in LAYOUTS:
         rows = [r[name] for r in per_rank]
@@ -150,16 +161,20 @@ def run_bytes(args) -> dict:
         row = {"bytes": sent, "formula": rows[0]["formula"],
                "ratio": max(r["bytes"] / r["formula"] for r in rows),
                "c10d_ratio": max(r["c10d_bytes"] / r["formula"] for r in rows),
-               "seconds": statistics.median(r["seconds"] for r in rows)}
+               "seconds": statistics.median(r["seconds"] for r in rows),
+               "spread": (min(r["spread"][0] for r in rows), max(r["spread"][1] for r in rows))}
         row["tokens_per_s"] = args.seq_len / row["seconds"] * (2 if name.endswith("2") else 1)  # two groups
         table[name] = row
         print(f"{name:>10} {sent:>12,.0f} {row['formula']:>12,.0f} {row['ratio']:>7.3f} {row['c10d_ratio']:>7.3f} "
-              f"{row['seconds']:>7.3f} {row['tokens_per_s']:>8,.0f}")
+              f"{row['seconds']:>7.3f} {row['spread'][0]:>6.3f}-{row['spread'][1]:<6.3f} {row['tokens_per_s']:>8,.0f}")
     ds = per_rank[0]["deepspeed_ulysses4"]
     if "error" in ds:
         print(f"DeepSpeed Ulysses: did not run ({ds['error']})")
     else:
-        print(f"DeepSpeed Ulysses (4 ranks, SDPA inside): {ds['seconds']:.3f} s/step, {ds['tokens_per_s']:,.0f} tok/s")
+        ds["seconds"] = statistics.median(r["deepspeed_ulysses4"]["seconds"] for r in per_rank)
+        ds["tokens_per_s"] = args.seq_len / ds["seconds"]
+        print(f"DeepSpeed Ulysses (4 ranks, SDPA inside): {ds['seconds']:.3f} s/step, {ds['tokens_per_s']:,.0f} tok/s "
+              f"(polytrain's Ulysses at 4 / DeepSpeed's: {ds['seconds'] / table['ulysses4']['seconds']:.2f}x tokens/s)")
     table["deepspeed_ulysses4"] = ds
     return table
 
