@@ -1,7 +1,7 @@
 """Train configs/passkey_long.toml's model on pass-key retrieval up to 8K tokens with context
 parallelism, then run `polytrain eval needle` on it over lengths x depths up to 16K.
 
-    python benchmarks/needle_passkey.py                 # the 6 stages and the evaluation, ~90 min on 2 cores
+    python benchmarks/needle_passkey.py                 # the 6 stages and the evaluation, ~55 min on 2 cores
     python benchmarks/needle_passkey.py --out /tmp/needle --lengths 1k,2k,4k,8k,16k --repeats 4
     python benchmarks/needle_passkey.py --stages 1 --lengths 256 --repeats 1   # a check that it runs
 

@@ -145,6 +145,7 @@ def test_trainer_scores_the_passkey_targets_data_passkey_score_names(small_corpu
     cfg = load_config(None, tiny_overrides(small_corpus, tmp_path, data__task="passkey",
                                            data__passkey_score=score, data__seq_len=96))
     trainer = Trainer(cfg)
+    trainer.close()  # only its datasets are read: no watchdog or metrics file left open
     for data in (trainer.train_data, trainer.val_data):
         inputs, targets = data.get_batch([0, 1])
         scored = (targets >= 0).sum(dim=1)
