@@ -57,14 +57,27 @@ def _destroy_at_exit() -> None:
     work whose tensors need Python, and the finished job aborts (SIGABRT) on its way out.
     Skipped while an exception is ending the program: a peer may be mid-collective, and
     destroying under it could wait forever, where exiting lets the launcher see the failure."""
-    if dist.is_initialized() and not _failing():
+    if dist.is_initialized() and not is_failing():
         dist.destroy_process_group()
 
 
-def _failing() -> bool:
-    """Whether the program is ending on an uncaught exception (Python sets sys.last_exc, or
-    sys.last_value before 3.12, after printing its traceback and before atexit handlers)."""
-    return getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
+_failure_noted = False
+
+
+def note_failure() -> None:
+    """Mark this process as ending on a failure it caught itself (a worker's exit path reports
+    the error and exits nonzero), so the exit handler leaves the group alone as for an
+    uncaught exception."""
+    global _failure_noted
+    _failure_noted = True
+
+
+def is_failing() -> bool:
+    """Whether the program is ending on a failure: noted by `note_failure`, or an uncaught
+    exception (Python sets sys.last_exc, or sys.last_value before 3.12, after printing its
+    traceback and before atexit handlers)."""
+    return (_failure_noted or getattr(sys, "last_exc", None) is not None
+            or getattr(sys, "last_value", None) is not None)
 
 
 def barrier() -> None:

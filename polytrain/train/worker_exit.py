@@ -10,8 +10,13 @@ with os._exit, which skips only the teardown that aborts:
 
   1. threading's exit hooks run and non-daemon threads are joined (Python's own first step),
   2. atexit handlers run (the program's, logging's flush, torch's own),
-  3. the default process group, if still live, is destroyed,
+  3. the default process group, if still live, is destroyed - on success only,
   4. stdout and stderr are flushed, then os._exit(code).
+
+One rule for the group on every path (here and `distributed.world`'s exit handler): destroyed
+when the work succeeded, left alone when it failed. A failing rank's peers may be inside a
+collective that destroying could wait on forever; os._exit ends the process either way, and
+the peers' collectives then fail, which is what lets the launcher see the failure.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
+from polytrain.distributed.world import note_failure
 from polytrain.errors import PolytrainError
 from polytrain.train.launch import EXIT_USER_ERROR
 
@@ -47,19 +53,23 @@ def run_rank(work: Callable[[], list[str]]) -> int:
     Rank 0 logs what it is doing and prints the summary; the others stay quiet. A
     PolytrainError (bad input, a refused checkpoint) is one `error:` line from rank 0 and
     EXIT_USER_ERROR; anything else propagates to run_and_exit, which prints its traceback.
-    The process group is destroyed before the summary is printed, success or not.
+    On success the process group is destroyed before the summary is printed; on a failure
+    it is left for os._exit (see the module docstring).
     """
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s")
     try:
         lines = work()
     except PolytrainError as e:
+        note_failure()
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    except BaseException:
+        note_failure()
+        raise
+    if dist.is_initialized():
+        dist.destroy_process_group()
     if rank == 0:
         print("\n".join(lines), flush=True)
     return 0
@@ -82,6 +92,8 @@ def run_and_exit(main: Callable[[], int]) -> NoReturn:
 
 
 def finish(code: int) -> NoReturn:
+    if code != 0:
+        note_failure()  # atexit's group handler then leaves the group too
     # The interpreter's own first step at exit: threading's exit hooks (concurrent.futures tells
     # its pools' idle workers to stop), then every non-daemon thread joined.
     threading._shutdown()
@@ -89,7 +101,7 @@ def finish(code: int) -> NoReturn:
         atexit._run_exitfuncs()
     finally:
         try:
-            if dist.is_initialized():
+            if code == 0 and dist.is_initialized():
                 dist.destroy_process_group()
         finally:
             for stream in (sys.stdout, sys.stderr):

@@ -69,16 +69,27 @@ LEAVES_GROUP_LIVE = textwrap.dedent("""
     init_world(get_accelerator())
     if sys.argv[2] == "raise":
         raise RuntimeError("boom")
+    if sys.argv[2] in ("worker error", "worker success"):  # through a worker's own exit path
+        from polytrain.errors import PolytrainError
+        from polytrain.train.worker_exit import run_and_exit, run_rank
+
+        def work():
+            if sys.argv[2] == "worker error":
+                raise PolytrainError("bad input")
+            return ["done"]
+        run_and_exit(lambda: run_rank(work))
 """)
 
 
 def test_a_group_polytrain_made_is_destroyed_at_exit_unless_the_program_is_failing(tmp_path):
     script = tmp_path / "leave_live.py"
     script.write_text(LEAVES_GROUP_LIVE)
-    for how, destroyed in (("return", True), ("raise", False)):
+    cases = (("return", True), ("raise", False), ("worker success", True), ("worker error", False))
+    for how, destroyed in cases:
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                "--nproc_per_node", "2", str(script), str(tmp_path), how],
                               capture_output=True, text=True, timeout=120)
         assert (proc.returncode == 0) == destroyed, proc.stderr[-2000:]
         # A failing program keeps its group: destroying under a peer mid-collective could hang.
+        # run_rank / run_and_exit follow the same rule as the exit handler.
         assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == [str(not destroyed)] * 2
