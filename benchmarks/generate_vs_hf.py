@@ -97,26 +97,40 @@ def runners(ours, hf, prompts: torch.Tensor, n: int, device) -> dict:
             ("transformers", "compiled"): hf_way(cache_implementation="static", compile_config=compile_all)}
 
 
+def warm_up(ways: dict) -> tuple[dict, dict]:
+    """The first call of every way (it compiles what compiles): (seconds, output) per name."""
+    first, outputs = {}, {}
+    for name, fn in ways.items():
+        start = time.perf_counter()
+        outputs[name] = fn()
+        first[name] = time.perf_counter() - start
+    return first, outputs
+
+
+def timed_rounds(ways: dict, rounds: int, acc, reference=None) -> tuple[dict, set]:
+    """Seconds of each call over `rounds` rounds of every way, the order rotating each round;
+    and the names of the ways that returned something other than `reference` (when given)."""
+    times, different, names = {name: [] for name in ways}, set(), list(ways)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            acc.synchronize()
+            start = time.perf_counter()
+            out = ways[name]()
+            acc.synchronize()
+            times[name].append(time.perf_counter() - start)
+            if reference is not None and out != reference:
+                different.add(name)
+    return times, different
+
+
 def measure(ours, hf, batch: int, args, acc, device) -> dict:
     prompts = torch.randint(0, hf.config.vocab_size, (batch, args.prompt_len),
                             generator=torch.Generator().manual_seed(batch))
     ways = runners(ours, hf, prompts, args.new_tokens, device)
-    first, tokens = {}, {}
-    for name, fn in ways.items():  # the warm-up: compiles what compiles, checks the tokens
-        start = time.perf_counter()
-        tokens[name] = fn()
-        first[name] = time.perf_counter() - start
+    first, tokens = warm_up(ways)
     reference = tokens["transformers", "dynamic"]
     same = {name: out == reference for name, out in tokens.items()}
-    times = {name: [] for name in ways}
-    names = list(ways)
-    for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            acc.synchronize()
-            start = time.perf_counter()
-            ways[name]()
-            acc.synchronize()
-            times[name].append(time.perf_counter() - start)
+    times, _ = timed_rounds(ways, args.rounds, acc)
     rates = {name: [batch * args.new_tokens / t for t in ts] for name, ts in times.items()}
     return {"batch": batch, "rates": rates, "median": {k: statistics.median(v) for k, v in rates.items()},
             "first_call_s": first, "same_tokens": same}
