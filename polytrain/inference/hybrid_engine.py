@@ -14,7 +14,9 @@ inference layout once per rollout. Here, per `generate` call:
    (one all-gather over dp), every parameter's full value taken (its tensor-parallel shards
    gathered) and the unit resharded; LoRA adapters are fused into their
    weights (W + alpha / r * B A, in fp32), and the value is written into a fresh plain model
-   of the same architecture: whole, or split over `inference_tp` ranks by the
+   of the same architecture, in the dtype the actor computes in (its 16-bit copies in
+   bf16 / fp16 runs, so the copy takes half an fp32 one's memory and generates as the
+   actor's forward computes): whole, or split over `inference_tp` ranks by the
    architecture's plan (only this rank's slice is kept);
 2. generate: polytrain's KV-cached `generate` over the batch of left-padded prompts (each row
    from its own seeded generator when given `row_seeds`); with inference_tp > 1 the ranks of
@@ -39,6 +41,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from polytrain.config import Config, ParallelConfig
 from polytrain.distributed.runtime import Runtime
+from polytrain.distributed.strategies import param_dtype_of
 from polytrain.distributed.tensor_parallel import parallelize_model
 from polytrain.distributed.topology import ParallelDims
 from polytrain.errors import ConfigError
@@ -94,7 +97,7 @@ class HybridEngine:
         """A plain (or inference-tp) copy of the model with its adapters fused; collective."""
         arch = ARCHITECTURES[self.cfg.model.arch]
         with torch.device("meta"):
-            copy = arch.build(self.cfg.model)
+            copy = arch.build(self.cfg.model).to(param_dtype_of(self.cfg.train))
         if self.inference is not None:
             parallelize_model(copy, arch.tp_plan(self.cfg.model), self.inference)
         copy.to_empty(device=self.runtime.device)

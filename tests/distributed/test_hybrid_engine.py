@@ -7,7 +7,8 @@ layouts and generates through the engine, one block gathered at a time: dp 2 ZeR
 without and with LoRA, tp 2 with LoRA, and ZeRO-3 with LoRA re-split to an inference tp of 2
 (the tp group generating both ranks' prompts together). Every layout's tokens must equal
 the reference's, token for token, as must generation through the ZeRO-3 training model
-itself (no engine).
+itself (no engine). A bf16 ZeRO-3 actor (fp32 masters, bf16 compute copies) generates
+through a bf16 copy, its tokens equal to a bf16 single-device model's.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def _set_adapters(model: torch.nn.Module) -> None:
                 param.copy_(full)
 
 
-def _reference(cfg) -> torch.nn.Module:
+def _reference(cfg, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     from polytrain.lora import apply_lora, merge_adapters
     from polytrain.models import ARCHITECTURES
     from polytrain.models.common.init import init_plain
@@ -60,7 +61,7 @@ def _reference(cfg) -> torch.nn.Module:
     if cfg.lora.rank:
         _set_adapters(model)
         merge_adapters(model)
-    return model.eval()
+    return model.to(dtype).eval()
 
 
 def _generate_all(rank: int, world_size: int) -> dict[str, bool]:
@@ -82,6 +83,13 @@ def _generate_all(rank: int, world_size: int) -> dict[str, bool]:
                    "tp2 lora": (tp2_lora, tp_runtime, 1), "zero3 lora, inference tp2": (zero3_lora, runtime, 2)}
         wants = {False: generate(_reference(zero3), prompts, NEW_TOKENS, temperature=0.0),
                  True: generate(_reference(zero3_lora), prompts, NEW_TOKENS, temperature=0.0)}
+        zero3_bf16 = _config(arch, "--parallel.zero", "3", "--train.precision", "bf16")
+        engine = HybridEngine(runtime, zero3_bf16, build_model(runtime, zero3_bf16).model, gather_blocks=1)
+        with engine.generation_model() as copy:
+            results[f"{arch} bf16 actor, bf16 copy"] = {p.dtype for p in copy.parameters()} == {torch.bfloat16}
+        results[f"{arch} bf16 actor"] = (engine.generate(prompts, NEW_TOKENS, temperature=0.0)
+                                         == generate(_reference(zero3, torch.bfloat16), prompts, NEW_TOKENS,
+                                                     temperature=0.0))
         for name, (cfg, rt, inference_tp) in layouts.items():
             built = build_model(rt, cfg)
             _set_adapters(built.model)
@@ -96,6 +104,6 @@ def _generate_all(rank: int, world_size: int) -> dict[str, bool]:
 
 def test_engine_generation_equals_single_device():
     for rank, results in enumerate(run_ranks(2, _generate_all)):
-        assert len(results) == 3 * 6
+        assert len(results) == 3 * 8
         failed = [what for what, ok in results.items() if not ok]
         assert not failed, f"rank {rank}: {failed}"
