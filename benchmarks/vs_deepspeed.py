@@ -91,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="also write every figure to this JSON file")
     p.add_argument("--polytrain-args", default="",
                    help='extra config overrides for the polytrain jobs only, e.g. "--train.chunked_loss false"')
+    p.add_argument("--deepspeed-compile", action="store_true",
+                   help="DeepSpeed's jobs call engine.compile() (as --polytrain-args '--train.compile true' does for polytrain)")
     # Internal: what torchrun starts on each rank.
     p.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     p.add_argument("--zero", type=int, help=argparse.SUPPRESS)
@@ -128,9 +130,11 @@ def proc_status_kib(field: str) -> int | None:
 class DeepSpeedJob:
     """One rank of DeepSpeed's engine training the polytrain model with polytrain's batches."""
 
-    def __init__(self, cfg: Config, stage: int, on_optimizer_step=None, zero_options: dict | None = None):
+    def __init__(self, cfg: Config, stage: int, on_optimizer_step=None, zero_options: dict | None = None,
+                 compile_engine: bool = False):
         """`on_optimizer_step()` runs right before each optimizer step (a probe: zero_memory_comm.py);
-        `zero_options` are added to the zero_optimization block (offload: zero3_nvme_cap.py)."""
+        `zero_options` are added to the zero_optimization block (offload: zero3_nvme_cap.py);
+        `compile_engine` calls DeepSpeed's `engine.compile()` (torch.compile of the module, inductor)."""
         import deepspeed  # the optional peer: only its own ranks import it
 
         from polytrain.data import GlobalBatchSampler, TokenDataset, prepare_corpus
@@ -169,6 +173,8 @@ class DeepSpeedJob:
         }
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, t.weight_decay), config=config)
+        if compile_engine:
+            self.engine.compile()
         if on_optimizer_step is not None:
             inner = self.optimizer.step
             self.optimizer.step = lambda *a, **k: (on_optimizer_step(), inner(*a, **k))[1]
@@ -224,7 +230,8 @@ def worker(args: argparse.Namespace) -> None:
     cfg = load_config(None, config_overrides(args) + [
         "--parallel.zero", str(args.zero), "--run.out_dir", str(args.out_dir),
         "--run.eval_every", "0", "--run.sample_tokens", "0"] + polytrain_only)
-    job = DeepSpeedJob(cfg, args.zero) if args.worker == "deepspeed" else PolytrainJob(cfg)
+    job = (DeepSpeedJob(cfg, args.zero, compile_engine=args.deepspeed_compile) if args.worker == "deepspeed"
+           else PolytrainJob(cfg))
     losses = [job.train_step() for _ in range(args.warmup)]
     dist.barrier()
     start = time.perf_counter()
@@ -252,7 +259,8 @@ def launch(args: argparse.Namespace, framework: str, stage: int, work: Path, tag
            "--out-dir", str(out), "--size", args.size, "--seq-len", str(args.seq_len),
            "--micro-batch", str(args.micro_batch), "--global-batch", str(args.global_batch),
            "--source", args.source, "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--loss", args.loss, "--precision", args.precision, "--polytrain-args", args.polytrain_args]
+           "--loss", args.loss, "--precision", args.precision, "--polytrain-args", args.polytrain_args,
+           *(["--deepspeed-compile"] if args.deepspeed_compile else [])]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, args.threads // args.nproc)),
            "DS_ACCELERATOR": "cpu" if torch.cuda.device_count() == 0 else
            os.environ.get("DS_ACCELERATOR", "cuda")}
