@@ -3,6 +3,7 @@
     python benchmarks/vs_megatron.py                        # gpt2 small shape, 5 rounds: ~10-15 min on 2 cores
     python benchmarks/vs_megatron.py --size tiny --rounds 1 --steps 2 --warmup 1   # a check that it runs
     python benchmarks/vs_megatron.py --polytrain-args "--train.chunked_loss false"
+    python benchmarks/vs_megatron.py --pp 2 --micro-batch 2 --micro-batches 4   # tp 2 x pp 2, 1F1B, 4 ranks
 
 Megatron-Core (the `test` extra installs it) is written for CUDA and NCCL; its job runs
 under `polytrain run --nproc 2` (polytrain's CUDA wrapper, so Megatron runs unchanged on
@@ -18,6 +19,12 @@ length and micro-batch, one micro-batch per step, no dropout, no gradient clippi
 fused AdamW with the same hyperparameters on both sides. Megatron reads random tokens,
 polytrain its token file (the values do not change the work).
 
+`--pp 2` adds pipeline parallelism over 2 x tp ranks: Megatron's GPTModel split into first
+and last stages (`pre_process` / `post_process`), its non-interleaved 1F1B schedule over
+`--micro-batches` micro-batches, the tied word embedding's gradient all-reduced between the
+two stages' copies after backward (what Megatron's finalize_model_grads does); polytrain's
+`--parallel.pp 2 --parallel.pp_schedule 1f1b` at the same global batch.
+
 --rounds rounds, who goes first swapping each round; each job trains --warmup untimed
 steps, then --steps timed ones between barriers. The table gives median tokens/s, the
 spread, per-round ratios and peak RSS per rank.
@@ -28,6 +35,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import shlex
 import statistics
@@ -47,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size", default="small", help="polytrain gpt2 size preset (tiny, small, 124m, ...)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (the job has 2 x pp ranks)")
+    p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step (the pipeline's)")
     p.add_argument("--source", default="stdlib", help="polytrain's data.source (tokenized once, cached)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=6)
@@ -88,15 +98,22 @@ class MegatronJob:
 
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # the wrapper maps CUDA to this process's device
         torch.distributed.init_process_group(backend="nccl")
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=args.pp)
         model_parallel_cuda_manual_seed(123)
         s, self.args = shape(args.size), args
         config = TransformerConfig(num_layers=s["n_layers"], hidden_size=s["dim"], num_attention_heads=s["n_heads"],
                                    ffn_hidden_size=s["ffn_dim"], hidden_dropout=0.0, attention_dropout=0.0,
-                                   use_cpu_initialization=True, pipeline_dtype=torch.float32)
+                                   use_cpu_initialization=True, pipeline_dtype=torch.float32,
+                                   tensor_model_parallel_size=2, pipeline_model_parallel_size=args.pp)
         self.vocab = s["vocab_size"]
         self.model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
-                              vocab_size=self.vocab, max_sequence_length=args.seq_len).cuda()
+                              vocab_size=self.vocab, max_sequence_length=args.seq_len,
+                              pre_process=parallel_state.is_pipeline_first_stage(),
+                              post_process=parallel_state.is_pipeline_last_stage()).cuda()
+        # The first and last stages each hold the tied word embedding (input table, output layer).
+        self.embedding_group = parallel_state.get_embedding_group() if args.pp > 1 else None
+        self.holds_embedding = (self.embedding_group is not None and torch.distributed.get_rank()
+                                in torch.distributed.get_process_group_ranks(self.embedding_group))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-4, betas=(0.9, 0.95),
                                            weight_decay=0.1, fused=True)
         self.forward_backward = get_forward_backward_func()
@@ -124,10 +141,15 @@ class MegatronJob:
         self.optimizer.zero_grad(set_to_none=True)
         T = self.args.seq_len
         reduced = self.forward_backward(forward_step_func=forward_step, data_iterator=data, model=self.model,
-                                        num_microbatches=1, seq_length=T, micro_batch_size=self.args.micro_batch,
-                                        decoder_seq_length=T, forward_only=False)
+                                        num_microbatches=self.args.micro_batches, seq_length=T,
+                                        micro_batch_size=self.args.micro_batch, decoder_seq_length=T,
+                                        forward_only=False)
+        if self.holds_embedding:  # the two copies' gradients summed, as finalize_model_grads does
+            grad = self.model.shared_embedding_or_output_weight().grad
+            torch.distributed.all_reduce(grad, group=self.embedding_group)
         self.optimizer.step()
-        return reduced[0]["lm loss"].item()
+        # The loss is known on the last stage only.
+        return sum(r["lm loss"].item() for r in reduced) / len(reduced) if reduced else float("nan")
 
 
 class PolytrainJob:
@@ -136,9 +158,11 @@ class PolytrainJob:
         from polytrain.train.trainer import Trainer  # it joins the job torchrun describes
 
         overrides = ["--model.arch", "gpt2", "--model.size", args.size, "--parallel.tp", "2",
+                     "--parallel.pp", str(args.pp), "--parallel.pp_schedule", "1f1b",
                      "--data.source", args.source, "--data.seq_len", str(args.seq_len),
                      "--train.micro_batch_size", str(args.micro_batch),
-                     "--train.global_batch_size", str(args.micro_batch), "--train.grad_clip", "0",
+                     "--train.global_batch_size", str(args.micro_batch * args.micro_batches),
+                     "--train.grad_clip", "0",
                      "--train.lr", "3e-4", "--train.warmup_steps", "0", "--model.max_seq_len", str(args.seq_len),
                      "--run.steps", str(args.warmup + args.steps),
                      "--run.out_dir", str(args.out_dir), "--checkpoint.resume", "none",
@@ -174,23 +198,26 @@ def worker(args: argparse.Namespace) -> None:
 def launch(args: argparse.Namespace, framework: str, work: Path, tag: str) -> dict:
     result = work / f"{tag}.json"
     wrapped = framework == "megatron" or args.polytrain_under_wrapper
-    launcher = (["-m", "polytrain.cli", "run", "--nproc", "2"] if wrapped else
-                ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"])
+    nproc = 2 * args.pp
+    launcher = (["-m", "polytrain.cli", "run", "--nproc", str(nproc)] if wrapped else
+                ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)])
     cmd = [sys.executable, *launcher, os.path.abspath(__file__),
            "--worker", framework, "--result", str(result), "--out-dir", str(work / tag), "--size", args.size,
            "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch), "--source", args.source,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--polytrain-args", args.polytrain_args]
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--polytrain-args", args.polytrain_args,
+           "--pp", str(args.pp), "--micro-batches", str(args.micro_batches)]
     if args.polytrain_under_wrapper:
         cmd.append("--polytrain-under-wrapper")
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, args.threads // 2))}
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, args.threads // nproc))}
     done = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True)
     if not result.exists():
         print(done.stdout[-4000:], done.stderr[-6000:], sep="\n", file=sys.stderr)
         raise SystemExit(f"error: the {framework} job failed (exit {done.returncode})")
     ranks = json.loads(result.read_text())
     seconds = max(r["seconds"] for r in ranks)
-    return {"tokens_per_s": args.steps * args.micro_batch * args.seq_len / seconds,
-            "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks), "losses": ranks[0]["losses"]}
+    losses = next((r["losses"] for r in ranks if not any(map(math.isnan, r["losses"]))), ranks[-1]["losses"])
+    return {"tokens_per_s": args.steps * args.micro_batches * args.micro_batch * args.seq_len / seconds,
+            "peak_rss_mib": max(r["peak_rss_mib"] for r in ranks), "losses": losses}
 
 
 def main() -> None:
@@ -225,8 +252,9 @@ def main() -> None:
     lines = [f"{datetime.date.today()}, {get_accelerator().describe()}, megatron-core {megatron.core.__version__}, "
              f"load average at start {load:.1f}",
              f"`python benchmarks/vs_megatron.py {' '.join(map(shlex.quote, sys.argv[1:]))}`: gpt2 {args.size} "
-             f"(dim {s['dim']}, {s['n_layers']} blocks, vocab {s['vocab_size']}), tp 2, seq {args.seq_len}, "
-             f"micro-batch {args.micro_batch}, fp32, {args.rounds} rounds x {args.steps} steps after {args.warmup}",
+             f"(dim {s['dim']}, {s['n_layers']} blocks, vocab {s['vocab_size']}), tp 2"
+             f"{f' x pp {args.pp} (1F1B)' if args.pp > 1 else ''}, seq {args.seq_len}, "
+             f"micro-batch {args.micro_batch} x {args.micro_batches}, fp32, {args.rounds} rounds x {args.steps} steps after {args.warmup}",
              "", "| framework | tokens/s (median) | spread | peak RSS MiB | polytrain/Megatron (per-round) |",
              "| --- | ---: | ---: | ---: | --- |"]
     for f in FRAMEWORKS:
