@@ -36,7 +36,9 @@ What is not made equal: each framework keeps its own defaults for what has no co
 in the other (DeepSpeed's overlap_comm, contiguous_gradients, stage-3 prefetch and
 persistence thresholds; polytrain's fused AdamW kernel, where DeepSpeed's `torch_adam`
 takes torch's default, the per-tensor loop on a CPU, since its own fused Adam is a CUDA
-op). `--polytrain-args` passes extra overrides to polytrain only. DeepSpeed's ZeRO-3 partitions the model inside
+op). `--polytrain-args` passes extra overrides to polytrain only (they come last and win,
+e.g. `--loss plain --polytrain-args "--train.chunked_loss true --train.compile true"` runs each
+framework its own way), `--deepspeed-compile` has DeepSpeed's jobs call `engine.compile()`. DeepSpeed's ZeRO-3 partitions the model inside
 `deepspeed.initialize`, after it was built whole on each rank (no zero.Init), while
 polytrain builds on the meta device; peak RSS counts that. The DeepSpeed ranks also
 import deepspeed (tens of MiB): `rss at start` shows each job's memory before the model.
