@@ -62,7 +62,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=8, help="sequences in flight at once, on both sides")
     p.add_argument("--stop-every", type=int, default=16, help="token ids divisible by this are stop tokens")
     p.add_argument("--rounds", type=int, default=5)
-    return p.parse_args()
+    args = p.parse_args()
+    for name in ("prompts", "prompt_len", "new_tokens", "rows", "stop_every", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
 
 
 def runners(ours, hf, prompts: list[list[int]], args, device) -> dict:
