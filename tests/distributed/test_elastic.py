@@ -19,6 +19,7 @@ import pytest
 from polytrain.cli import main
 from polytrain.train.elastic_launch import read_events
 from polytrain.train.faults import HANG_ENV, KILL_ENV, WAIT_ENV
+from polytrain.train.snapshot import newest_resume_point
 from tests.conftest import tiny_overrides
 from tests.distributed.test_parity import train, train_rows
 
@@ -79,9 +80,14 @@ def test_workers_joining_grow_the_job_from_two_to_four(small_corpus, tmp_path, r
                           parallel__nproc_start=2, **BATCH)
 
     def join_at_step_ten() -> None:
+        # Once the step-10 snapshot is complete: step 10's metrics row is written before it.
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
-            if (run / "metrics.jsonl").exists() and any(r["step"] >= 10 for r in train_rows(run)):
+            try:
+                point = newest_resume_point(run)
+            except (OSError, ValueError):  # read while it is being written: not complete yet
+                point = None
+            if point is not None and point.name == "step_10":
                 os.kill(os.getpid(), signal.SIGUSR1)
                 return
             time.sleep(0.2)
