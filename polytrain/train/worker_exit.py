@@ -22,6 +22,7 @@ the peers' collectives then fail, which is what lets the launcher see the failur
 from __future__ import annotations
 
 import atexit
+import io
 import logging
 import os
 import sys
@@ -75,12 +76,23 @@ def run_rank(work: Callable[[], list[str]]) -> int:
     return 0
 
 
+def keep_lines_whole() -> None:
+    """Make each line a worker prints one write. Launched workers run `python -u`, where print's
+    text and its newline are two writes, so two ranks printing at once on a shared pipe can
+    interleave mid-line; buffered up to each newline (and any explicit flush, which progress
+    bars do) a line stays whole and output stays as prompt."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(write_through=False, line_buffering=True)
+
+
 def run_and_exit(main: Callable[[], int]) -> NoReturn:
     """Run a worker's `main` (returning its exit code) and end the process with that code.
 
-    A SystemExit gives its code; any other exception prints its traceback, as an uncaught
-    one would, and exits 1.
+    Its output is line-buffered (`keep_lines_whole`). A SystemExit gives its code; any other
+    exception prints its traceback, as an uncaught one would, and exits 1.
     """
+    keep_lines_whole()
     try:
         code = main()
     except SystemExit as e:

@@ -2,6 +2,7 @@
 handlers and threads finished first, its process group destroyed, then os._exit (which skips
 the interpreter teardown where gloo's threads could abort a finished job)."""
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -93,3 +94,28 @@ def test_a_group_polytrain_made_is_destroyed_at_exit_unless_the_program_is_faili
         # A failing program keeps its group: destroying under a peer mid-collective could hang.
         # run_rank / run_and_exit follow the same rule as the exit handler.
         assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == [str(not destroyed)] * 2
+
+
+PRINTS_AT_ONCE = textwrap.dedent("""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dist.barrier()  # both ranks print at the same moment
+    for i in range(3000):
+        print(f"rank {dist.get_rank()} line {i} " + "x" * 40)
+    dist.destroy_process_group()
+""")
+
+
+def test_two_launched_ranks_printing_at_once_keep_their_lines_whole(tmp_path):
+    """Launched workers run `python -u`; run_and_exit buffers each line into one write, so lines
+    from ranks sharing a pipe never interleave mid-line (which `print` alone allows there)."""
+    script = tmp_path / "prints.py"
+    script.write_text(PRINTS_AT_ONCE)
+    proc = subprocess.run([sys.executable, "-m", "polytrain.cli", "run", "--nproc", "2", str(script)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("rank")]
+    broken = [line for line in lines if not re.fullmatch(r"rank [01] line \d+ x{40}", line)]
+    assert not broken, broken[:3]
+    assert len(lines) == 6000

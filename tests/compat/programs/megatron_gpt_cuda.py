@@ -4,7 +4,6 @@ Run with `torchrun --nproc-per-node 2 megatron_gpt_cuda.py` on two GPUs."""
 
 import argparse
 import os
-import sys
 from functools import partial
 
 import torch
@@ -82,15 +81,12 @@ def main():
             decoder_seq_length=SEQ_LEN, forward_only=False)
         optim.step()
         rank = torch.distributed.get_rank()
-        sys.stdout.write(f"rank {rank} iteration {iteration} loss {losses_reduced[0]['lm loss'].item():.5f}\n")
-        sys.stdout.flush()
+        print(f"rank {rank} iteration {iteration} loss {losses_reduced[0]['lm loss'].item():.5f}",
+              flush=True)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     shard = gpt_model.decoder.layers[0].mlp.linear_fc1.weight.shape
-    # One write per line: the launcher runs workers unbuffered (python -u), where print's text and
-    # its newline are two writes, and both ranks print this line at the same moment.
-    sys.stdout.write(f"rank {torch.distributed.get_rank()} tp {tp} fc1_shard {tuple(shard)} "
-                     f"backend {torch.distributed.get_backend()}\n")
-    sys.stdout.flush()
+    print(f"rank {torch.distributed.get_rank()} tp {tp} fc1_shard {tuple(shard)} "
+          f"backend {torch.distributed.get_backend()}", flush=True)
     torch.distributed.destroy_process_group()
 
 
