@@ -43,7 +43,7 @@ import transformers
 
 from polytrain.backend import get_accelerator
 from polytrain.convert import load_hf
-from polytrain.inference.generate import generate
+from polytrain.inference.generate import generate, until_stop
 
 from generate_vs_hf import hf_model, timed_rounds, warm_up  # (this directory) the same model and timing
 
@@ -75,9 +75,6 @@ def runners(ours, hf, prompts: list[list[int]], args, device) -> dict:
     stops = sorted(t for t in range(hf.config.vocab_size) if t % args.stop_every == 0)
     stop_set = set(stops)
 
-    def until_stop(row: list[int]) -> list[int]:  # transformers pads a finished row after its stop token
-        return next((row[:i + 1] for i, t in enumerate(row) if t in stop_set), row)
-
     def ours_way(**kw):
         return lambda: generate(ours, prompts, n, temperature=0, stop_tokens=stop_set, **kw)
 
@@ -92,7 +89,8 @@ def runners(ours, hf, prompts: list[list[int]], args, device) -> dict:
             with torch.no_grad():
                 new = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                                   do_sample=False, eos_token_id=stops, pad_token_id=0)
-            out += [until_stop(row) for row in new[:, ids.shape[1]:].tolist()]
+            # transformers pads a finished row after its stop token
+            out += [until_stop(row, stop_set) for row in new[:, ids.shape[1]:].tolist()]
         return out
 
     config = transformers.GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=stops, pad_token_id=0)

@@ -155,7 +155,7 @@ def _sample_loop(first: torch.Tensor, step, max_new_tokens: int, temperature: fl
         if finished if all_done is None else all_done(finished):
             break
         logits = step(next_tok, i)
-    return [_until_stop(row, stop_tokens or set()) for row in torch.stack(new, 1).tolist()]
+    return [until_stop(row, stop_tokens or set()) for row in torch.stack(new, 1).tolist()]
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None = None,
@@ -182,7 +182,7 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None = None,
     return torch.multinomial(probs, 1)[:, 0]
 
 
-def _until_stop(row: list[int], stop_tokens: set[int]) -> list[int]:
+def until_stop(row: list[int], stop_tokens: set[int]) -> list[int]:
     """The row up to and including its first stop token."""
     for i, tok in enumerate(row):
         if tok in stop_tokens:

@@ -62,13 +62,9 @@ def run_rank(work: Callable[[], list[str]]) -> int:
     try:
         lines = work()
     except PolytrainError as e:
-        note_failure()
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
-        return EXIT_USER_ERROR
-    except BaseException:
-        note_failure()
-        raise
+        return EXIT_USER_ERROR  # run_and_exit's finish notes the failure, for any nonzero code
     if dist.is_initialized():
         dist.destroy_process_group()
     if rank == 0:
