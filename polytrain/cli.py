@@ -347,7 +347,11 @@ def _run(argv: list[str]) -> int:
     from polytrain.compat.__main__ import main as run_here
 
     if nproc is None or "WORLD_SIZE" in os.environ:  # already one worker of a torchrun job
-        return run_here(program)
+        from polytrain.train.worker_exit import run_and_exit
+
+        # Ends as a launched worker does: left to interpreter teardown, the program's gloo or
+        # compile-pool threads can abort a finished run ("terminate called", SIGABRT).
+        run_and_exit(lambda: run_here(program))
     from polytrain.train.launch import launch_local_workers
 
     return launch_local_workers(nproc, program, module="polytrain.compat")
