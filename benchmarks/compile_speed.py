@@ -19,10 +19,7 @@ weights and samples).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -31,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests is not installed
+from benchmarks.paired_trainers import alternate, compare, machine_line, publish, ratios, spread
 from tests.multirank import run_ranks
 
 LAYOUTS = {  # name -> (ranks, overrides)
@@ -65,13 +63,11 @@ def _overrides(args, size: str, layout: list[str], out: Path) -> list[str]:
 
 
 def _body(rank: int, world: int, args: argparse.Namespace, size: str, layout: list[str], work: str) -> dict:
-    import torch.distributed as dist
-
     from polytrain.config import load_config
     from polytrain.train.trainer import Trainer
 
     torch.set_num_threads(max(1, args.threads // world))
-    trainers, warm, losses = {}, {}, {}
+    trainers, warm = {}, {}
     for name, flag in (("eager", "false"), ("compiled", "true")):
         cfg = load_config(None, _overrides(args, size, layout, Path(work) / name) + ["--train.compile", flag])
         trainers[name] = Trainer(cfg)
@@ -79,16 +75,7 @@ def _body(rank: int, world: int, args: argparse.Namespace, size: str, layout: li
         for _ in range(args.warmup):
             trainers[name].train_step()
         warm[name] = time.perf_counter() - start
-    tokens = args.steps * args.global_batch * args.seq_len
-    rates: dict[str, list[float]] = {"eager": [], "compiled": []}
-    for r in range(args.rounds):
-        for name in (("eager", "compiled") if r % 2 == 0 else ("compiled", "eager")):
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                losses[name] = trainers[name].train_step()["loss"]
-            dist.barrier()
-            rates[name].append(tokens / (time.perf_counter() - start))
+    rates, losses = alternate(trainers, args.rounds, args.steps, args.global_batch * args.seq_len)
     timer = trainers["compiled"].compile_timer
     for trainer in trainers.values():
         trainer.close()
@@ -108,25 +95,17 @@ def main() -> None:
                 ranks, overrides = LAYOUTS[layout]
                 work = Path(tmp) / f"{size}-{layout.replace(' ', '')}"
                 result = run_ranks(ranks, _body, args, size, overrides, str(work), timeout=3600)[0]
-                med = {k: statistics.median(v) for k, v in result["rates"].items()}
-                ratios = sorted(c / e for c, e in zip(result["rates"]["compiled"], result["rates"]["eager"]))
-                row = {"size": size, "layout": layout, **result, "median": med,
-                       "ratio": med["compiled"] / med["eager"], "round_ratios": ratios}
+                row = {"size": size, "layout": layout, **result, **compare(result["rates"], "compiled", "eager")}
                 rows.append(row)
-                print(f"{size} {layout}: eager {med['eager']:,.0f} tok/s, compiled {med['compiled']:,.0f} "
-                      f"tok/s ({row['ratio']:.2f}x; rounds {' '.join(f'{x:.2f}' for x in ratios)}), compile "
-                      f"{result['compile_s']:.0f} s, losses {result['losses']['eager']:.4f} / "
-                      f"{result['losses']['compiled']:.4f}", flush=True)
-    table = report(args, rows, load)
-    print("\n" + table)
-    if args.json:
-        args.json.write_text(json.dumps({"args": vars(args), "rows": rows, "table": table}, indent=1, default=str))
+                print(f"{size} {layout}: eager {spread(result['rates']['eager'])} tok/s, compiled "
+                      f"{spread(result['rates']['compiled'])} tok/s ({row['ratio']:.2f}x; rounds "
+                      f"{ratios(row['round_ratios'])}), compile {result['compile_s']:.0f} s, losses "
+                      f"{result['losses']['eager']:.4f} / {result['losses']['compiled']:.4f}", flush=True)
+    publish(report(args, rows, load), args.json, args, rows)
 
 
 def report(args: argparse.Namespace, rows: list[dict], load: float) -> str:
-    from polytrain.backend import get_accelerator
-
-    lines = [f"{datetime.date.today()}, {get_accelerator().describe()}, load average at start {load:.1f}",
+    lines = [machine_line(load),
              f"`python benchmarks/compile_speed.py {' '.join(sys.argv[1:])}`: seq {args.seq_len}, "
              f"micro-batch {args.micro_batch}, global batch {args.global_batch}, fp32, {args.rounds} rounds x "
              f"{args.steps} steps after {args.warmup} warmup, {args.threads} threads per layout", "",
@@ -134,10 +113,9 @@ def report(args: argparse.Namespace, rows: list[dict], load: float) -> str:
              "| compile s | graph breaks | loss eager / compiled |",
              "| --- | --- | ---: | ---: | ---: | --- | ---: | ---: | --- |"]
     for r in rows:
-        e, c = r["rates"]["eager"], r["rates"]["compiled"]
-        lines.append(f"| {r['size']} | {r['layout']} | {r['median']['eager']:,.0f} ({min(e):,.0f}-{max(e):,.0f}) "
-                     f"| {r['median']['compiled']:,.0f} ({min(c):,.0f}-{max(c):,.0f}) | **{r['ratio']:.2f}** "
-                     f"| {' '.join(f'{x:.2f}' for x in r['round_ratios'])} | {r['compile_s']:.0f} | {r['breaks']} "
+        lines.append(f"| {r['size']} | {r['layout']} | {spread(r['rates']['eager'])} "
+                     f"| {spread(r['rates']['compiled'])} | **{r['ratio']:.2f}** "
+                     f"| {ratios(r['round_ratios'])} | {r['compile_s']:.0f} | {r['breaks']} "
                      f"| {r['losses']['eager']:.4f} / {r['losses']['compiled']:.4f} |")
     return "\n".join(lines)
 

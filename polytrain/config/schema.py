@@ -229,6 +229,8 @@ class ParallelConfig:
     """2.5d only: depth d of the q x q x d grid (tp = q * q * d)."""
     sp: bool = False
     """Megatron sequence parallelism (needs tp > 1): norms and residuals split along the sequence."""
+    tp_overlap: bool = True
+    """1d tp, eager training: reduce a region's input gradient over tp while its column layers' weight gradients are computed."""
     pp: int = 1
     """Pipeline-parallel degree: the layers are split into this many stages on different ranks."""
     pp_schedule: str = _choices("1f1b", "gpipe", "interleaved", "zero_bubble")

@@ -134,6 +134,21 @@ def all_reduce(x: torch.Tensor, group: ProcessGroup | None,
     return out
 
 
+def start_all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> tuple[torch.Tensor, dist.Work | None]:
+    """all_reduce (sum) started, not waited for: (the new tensor, its work); read it after work.wait().
+
+    The work is None for a group of one rank (nothing to wait for). Eager only: a compiled
+    graph traces the blocking all_reduce above.
+    """
+    n = group_size(group)
+    out = x.clone(memory_format=torch.contiguous_format)
+    if n == 1:
+        return out, None
+    if _counters:
+        record("all_reduce", 2 * (n - 1) / n * _nbytes(x), _group_peers(group))
+    return out, dist.all_reduce(out, group=group, async_op=True)
+
+
 def all_gather(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
     """Every rank's `x` concatenated along `dim` in group-rank order: (.., s, ..) -> (.., n*s, ..)."""
     n = group_size(group)
@@ -162,19 +177,34 @@ def all_gather_uneven(x: torch.Tensor, dim: int, sizes: list[int],
 
 def reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
     """Sum `x` over the group and keep this rank's 1/n slice of `dim`: (.., n*s, ..) -> (.., s, ..)."""
-    n = group_size(group)
-    if n == 1:
+    if group_size(group) == 1:
         return x.clone()
+    blocks, out = _reduce_scatter_buffers(x, dim, group)
+    dist.reduce_scatter_single(out.view(-1), blocks.view(-1), group=group)
+    return out
+
+
+def start_reduce_scatter(x: torch.Tensor, dim: int,
+                         group: ProcessGroup | None) -> tuple[torch.Tensor, dist.Work | None]:
+    """reduce_scatter started, not waited for: (this rank's slice, its work), as start_all_reduce."""
+    if group_size(group) == 1:
+        return x.clone(), None
+    blocks, out = _reduce_scatter_buffers(x, dim, group)
+    return out, dist.reduce_scatter_single(out.view(-1), blocks.view(-1), group=group, async_op=True)
+
+
+def _reduce_scatter_buffers(x: torch.Tensor, dim: int,
+                            group: ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x laid out as n contiguous per-rank blocks, this rank's output buffer); counts the call."""
+    n = group_size(group)
     dim = dim % x.dim()
     if x.shape[dim] % n:
         raise ValueError(f"reduce_scatter: size {x.shape[dim]} of dim {dim} is not divisible by the group's {n} ranks")
     # (n, ..., s, ...): rank r's slice of dim becomes the r-th contiguous block
     blocks = x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0).contiguous()
-    out = x.new_empty(blocks.shape[1:])
     if _counters:
         record("reduce_scatter", (n - 1) / n * _nbytes(blocks), _group_peers(group))
-    dist.reduce_scatter_single(out.view(-1), blocks.view(-1), group=group)
-    return out
+    return blocks, x.new_empty(blocks.shape[1:])
 
 
 def broadcast(x: torch.Tensor, src: int, group: ProcessGroup | None) -> torch.Tensor:

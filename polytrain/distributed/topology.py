@@ -55,6 +55,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     sp: bool = False
+    tp_overlap: bool = False
     tp_mode: str = "1d"
     tp_depth: int = 1
     cp: int = 1
@@ -124,6 +125,8 @@ class ParallelDims:
             shard = dp if p.zero in (1, 2) else 1
         return cls(world_size=world_size, dp_replicate=dp // shard, dp_shard=shard, zero=p.zero,
                    tp=p.tp, pp=p.pp, sp=p.sp, tp_mode=p.tp_mode, tp_depth=p.tp_depth,
+                   # The zero-bubble schedule splits input and weight gradients itself.
+                   tp_overlap=p.tp_overlap and not (p.pp > 1 and p.pp_schedule == "zero_bubble"),
                    cp=p.cp, cp_mode=p.cp_mode, cp_ulysses=p.cp_ulysses)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:

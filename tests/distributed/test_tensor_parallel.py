@@ -24,10 +24,11 @@ BASE = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, voc
 B, T = 2, 16
 
 
-def _setup(tp: int, sp: bool, cfg: ModelConfig, seed: int = 0, prepare=None):
+def _setup(tp: int, sp: bool, cfg: ModelConfig, seed: int = 0, prepare=None, overlap: bool = False):
     """(reference model, tp model, tp context, mesh) on this rank; both start from the same weights.
 
-    `prepare(model)` runs on the copy before it is parallelized.
+    `prepare(model)` runs on the copy before it is parallelized. `overlap`: parallel.tp_overlap
+    (regions reduce their input gradient while their columns' weight gradients are computed).
     """
     from polytrain.distributed.topology import ParallelDims
     from polytrain.models.common.init import init_plain
@@ -36,7 +37,7 @@ def _setup(tp: int, sp: bool, cfg: ModelConfig, seed: int = 0, prepare=None):
     torch.manual_seed(seed)  # as the trainer does: dropout streams fork from the default generator
     ref = Llama(cfg)
     init_plain(ref, seed)
-    dims = ParallelDims(world_size=tp, dp_replicate=1, dp_shard=1, zero=0, tp=tp, sp=sp)
+    dims = ParallelDims(world_size=tp, dp_replicate=1, dp_shard=1, zero=0, tp=tp, sp=sp, tp_overlap=overlap)
     model = copy.deepcopy(ref)
     if prepare is not None:
         prepare(model)
@@ -57,7 +58,7 @@ def _block_outputs(model) -> tuple[list[torch.Tensor], list]:
     return outs, hooks
 
 
-def _compare_model(rank: int, world_size: int, sp: bool, overrides: dict) -> dict:
+def _compare_model(rank: int, world_size: int, sp: bool, overrides: dict, overlap: bool = False) -> dict:
     import torch.nn.functional as F
 
     from polytrain.distributed.collectives import comm_stats, gather_from_tp
@@ -65,7 +66,7 @@ def _compare_model(rank: int, world_size: int, sp: bool, overrides: dict) -> dic
     from polytrain.inference.generate import generate
 
     cfg = dataclasses.replace(BASE, **overrides)
-    ref, model, ctx, mesh = _setup(world_size, sp, cfg)
+    ref, model, ctx, mesh = _setup(world_size, sp, cfg, overlap=overlap)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (B, T), generator=gen)
     targets = torch.randint(0, cfg.vocab_size, (B, T), generator=gen)
@@ -138,13 +139,13 @@ def _compare_stages(rank: int, world_size: int) -> None:
 
 def _tp2_all(rank: int, world_size: int, cases: list) -> dict:
     """One set of 2 ranks for every tp = 2 check (spawning ranks costs seconds)."""
-    stats = [_compare_model(rank, world_size, sp, overrides) for sp, overrides in cases]
+    stats = [_compare_model(rank, world_size, *case) for case in cases]
     _compare_stages(rank, world_size)
     return {"stats": stats, "dropout": _dropout_streams(rank, world_size)}
 
 
 def _layer_cases(rank: int, world_size: int, cases: list) -> list[dict]:
-    return [_compare_model(rank, world_size, sp, overrides) for sp, overrides in cases]
+    return [_compare_model(rank, world_size, *case) for case in cases]
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +155,9 @@ def tp2():
         (False, {}),
         # SP, tied embedding and head, a vocabulary tp does not divide (shards of 255 and 254).
         (True, {"tie_embeddings": True, "vocab_size": 509}),
+        # The same two with the overlapped region entry (parallel.tp_overlap).
+        (False, {}, True),
+        (True, {"tie_embeddings": True, "vocab_size": 509}, True),
     ]
     return run_ranks(2, _tp2_all, cases)[0]
 
@@ -175,14 +179,17 @@ def test_tp2_layers_and_pipeline_stages_match_single_device(tp2):
     assert seq["all_gather"]["calls"] == seq["reduce_scatter"]["calls"] == 1 + 4 * n_layers + 1
     assert seq["all_gather"]["bytes_sent"] == pytest.approx(act / 2 * (2 + 4 * n_layers))
     assert seq["all_reduce"]["calls"] == 2 + (2 * n_layers + 1)
+    # Overlapping changes when the reductions run, not which: the same calls and bytes.
+    assert tp2["stats"][2] == plain and tp2["stats"][3] == seq
 
 
 def test_tp4_layers_match_single_device():
     cases = [
         # 4 ranks, 2 KV heads: each KV head shared by two ranks; uneven vocabulary; SP.
         (True, {"vocab_size": 510}),
-        # One KV head (multi-query) on all four ranks; tied weights; plain TP.
-        (False, {"n_kv_heads": 1, "tie_embeddings": True}),
+        # One KV head (multi-query) on all four ranks; tied weights; plain TP; overlapped
+        # entry (wq's weight gradient computed there, the shared wk / wv's as usual).
+        (False, {"n_kv_heads": 1, "tie_embeddings": True}, True),
     ]
     run_ranks(4, _layer_cases, cases)
 
@@ -215,20 +222,21 @@ def _dropout_streams(rank: int, world_size: int) -> dict:
         vocab_parallel_loss(mesh["tp"], cfg.vocab_size)(logits, tokens).backward()
         gathered = [all_gather(m[None], 0, ctx.group) for m in masks + [fingerprints[0]]]
         results[sp] = [bool(torch.equal(g[0], g[1])) for g in gathered]
-    # Recomputation redraws the very same masks: checkpointed runs give the same gradients.
+    # Recomputation redraws the very same masks: checkpointed runs give the same gradients,
+    # also with the overlapped entry, whose deferred weight gradients see the recomputation.
     plain = _dropout_gradients(world_size, "none")
-    for mode in ("full", "selective"):
-        for name, grad in _dropout_gradients(world_size, mode).items():
-            torch.testing.assert_close(grad, plain[name], rtol=1e-5, atol=1e-7, msg=f"{mode}: {name}")
+    for mode, overlap in (("full", False), ("selective", False), ("full", True), ("selective", True)):
+        for name, grad in _dropout_gradients(world_size, mode, overlap).items():
+            torch.testing.assert_close(grad, plain[name], rtol=1e-5, atol=1e-7, msg=f"{mode}, {overlap=}: {name}")
     return results
 
 
-def _dropout_gradients(world_size: int, checkpointing: str) -> dict[str, torch.Tensor]:
+def _dropout_gradients(world_size: int, checkpointing: str, overlap: bool = False) -> dict[str, torch.Tensor]:
     from polytrain.distributed.activation_checkpoint import apply_activation_checkpointing
     from polytrain.distributed.tensor_parallel import vocab_parallel_loss
 
     cfg = dataclasses.replace(BASE, dropout=0.3)
-    _, model, _, mesh = _setup(world_size, True, cfg)
+    _, model, _, mesh = _setup(world_size, True, cfg, overlap=overlap)
     apply_activation_checkpointing(model, checkpointing)
     tokens = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(3))
     vocab_parallel_loss(mesh["tp"], cfg.vocab_size)(model(tokens), tokens).backward()

@@ -65,7 +65,9 @@ def _compare(rank: int, world_size: int, arch: str, sp: bool, overrides: dict) -
     torch.manual_seed(0)
     ref = ARCHITECTURES[arch].build(cfg)
     init_plain(ref, 0)
-    dims = ParallelDims(world_size=world_size, dp_replicate=1, dp_shard=1, zero=0, tp=world_size, sp=sp)
+    # tp_overlap as training runs it by default: T5's cross-attention enters two inputs at once.
+    dims = ParallelDims(world_size=world_size, dp_replicate=1, dp_shard=1, zero=0, tp=world_size, sp=sp,
+                        tp_overlap=True)
     model = copy.deepcopy(ref)
     ctx, mesh = tp_parallelize(model, dims)
     args, targets = _inputs(cfg)

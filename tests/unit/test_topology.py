@@ -58,6 +58,15 @@ def test_model_parallel_degrees_leave_the_rest_to_dp():
     assert (d.dp, d.tp, d.pp, d.shape) == (2, 2, 2, (2, 2, 1, 1, 2))
 
 
+def test_tp_overlap_is_on_by_default_and_off_under_the_zero_bubble_schedule():
+    assert dims(4, "--parallel.tp", "2").tp_overlap
+    assert not dims(4, "--parallel.tp", "2", "--parallel.tp_overlap", "false").tp_overlap
+    # That schedule computes input and weight gradients in separate passes itself.
+    zero_bubble = ("--parallel.pp", "2", "--parallel.pp_schedule", "zero_bubble")
+    assert not dims(4, "--parallel.tp", "2", *zero_bubble).tp_overlap
+    assert dims(4, "--parallel.tp", "2", "--parallel.pp", "2").tp_overlap
+
+
 def test_two_nodes_of_four_tp_stays_inside_a_node_and_dp_spans_nodes():
     # Ranks 0-3 are node 0, 4-7 node 1 (torchrun numbers ranks node by node).
     d = dims(8, "--parallel.tp", "2")

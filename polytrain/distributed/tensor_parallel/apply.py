@@ -36,7 +36,7 @@ def parallelize_model(model: nn.Module, plan: Plan | None, runtime: Runtime) -> 
         if dropout is not None:
             _fork_residual_stream(model, dropout)
         return None
-    return parallelize_tp(model, plan, dims.tp_mesh(mesh), dims.sp, dims.tp_mode, dropout)
+    return parallelize_tp(model, plan, dims.tp_mesh(mesh), dims.sp, dims.tp_mode, dropout, dims.tp_overlap)
 
 
 def _draws_dropout(model: nn.Module) -> bool:

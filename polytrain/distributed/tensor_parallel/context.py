@@ -24,6 +24,7 @@ from polytrain.distributed.collectives import (
     reduce_scatter_to_sp,
 )
 from polytrain.distributed.rng import DropoutRNG
+from polytrain.distributed.tensor_parallel.overlap import RegionCall
 from polytrain.distributed.tensor_parallel.cross_entropy import vocab_parallel_logprobs, vocab_parallel_loss
 
 SEQ_DIM = 1
@@ -44,6 +45,9 @@ class TPContext:
     dropout: DropoutRNG | None = None
     sp_active: bool = field(init=False)
     full_logits: bool = False
+    overlap: bool = False
+    """parallel.tp_overlap: regions reduce their input gradient while their columns' weight gradients are computed."""
+    region_call: RegionCall | None = field(default=None, repr=False)  # the overlapped region running now
     _params: dict[int, nn.Parameter] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -33,7 +33,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 from polytrain.distributed.collectives import copy_to_tp, gather_from_tp
 from polytrain.distributed.linear_cross_entropy import ScoringHead, chunk_tokens, linear_cross_entropy
-from polytrain.distributed.tensor_parallel.context import TPContext
+from polytrain.distributed.tensor_parallel.context import SEQ_DIM, TPContext
+from polytrain.distributed.tensor_parallel.overlap import RegionCall, enter_overlapped
 from polytrain.distributed.tensor_parallel.shards import shard_range, shard_sizes
 
 
@@ -66,6 +67,10 @@ class ColumnParallelLinear(nn.Module):
         self.bias = ctx.distribute(linear.bias, [placement]) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        call = self.ctx.region_call
+        deferred = call.linear(self, x) if call is not None else None  # weight gradient at the entry
+        if deferred is not None:
+            return deferred  # (B, T, out/tp)
         w = self.weight.to_local()  # (out/tp, in), or (out, in) for shared units
         b = self.bias.to_local() if self.bias is not None else None
         if self.rows is not None:
@@ -275,14 +280,42 @@ def region(module: nn.Module, ctx: TPContext, sharded_methods: tuple[str, ...] =
     their dropout draws from the per-rank stream.
     """
     inner = module.forward
+    columns: list[ColumnParallelLinear] | None = None  # found at the first forward: the plan replaces them after
 
     def forward(*args, **kwargs):
-        return inner(*(ctx.enter(a) for a in args[:inputs]), *args[inputs:], **kwargs)
+        nonlocal columns
+        if columns is None:
+            columns = _overlappable_columns(module)
+        if not (columns and ctx.overlap and ctx.region_call is None and _eager_training(args[0])):
+            return inner(*(ctx.enter(a) for a in args[:inputs]), *args[inputs:], **kwargs)
+        ctx.region_call = RegionCall(columns)
+        try:
+            entered = enter_overlapped(ctx.region_call, args[:inputs], ctx.group,
+                                       SEQ_DIM if ctx.sp_active else None)
+            return inner(*entered, *args[inputs:], **kwargs)
+        finally:
+            ctx.region_call = None
 
     module.forward = forward
     for name in sharded_methods:
         setattr(module, name, _under(getattr(module, name), lambda: ctx.sharded_rng(module.training)))
     return module
+
+
+def _overlappable_columns(module: nn.Module) -> list[ColumnParallelLinear]:
+    """The region's column layers whose weight gradient the overlapped entry can compute (see overlap.py).
+
+    Not a LoRA column (its trainable adapters take the plain path; its base is frozen) nor
+    shared units (their replicated weight is summed over tp through copy_to_tp).
+    """
+    return [m for m in module.modules() if type(m) is ColumnParallelLinear and m.rows is None
+            and m.weight.requires_grad and (m.bias is None or m.bias.requires_grad)]
+
+
+def _eager_training(x: torch.Tensor) -> bool:
+    """A forward whose backward the overlapped entry can run: grad on, not compiling, no autocast."""
+    return (torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and not torch.is_autocast_enabled(x.device.type))
 
 
 def root(module: nn.Module, ctx: TPContext, cache_argument: str = "cache",

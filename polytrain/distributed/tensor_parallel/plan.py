@@ -91,14 +91,15 @@ def matches(pattern: str, name: str) -> bool:
 
 
 def parallelize_tp(model: nn.Module, plan: Plan, mesh: DeviceMesh, sp: bool, mode: str = "1d",
-                   dropout: DropoutRNG | None = None) -> Context:
+                   dropout: DropoutRNG | None = None, overlap: bool = False) -> Context:
     """Apply `plan` to `model` in place over the tp `mesh`; returns the layers' shared context.
 
     `mesh`: the 1-D tp mesh for "1d", the grid's sub-mesh (grid.grid_axes) otherwise.
     Run it on the meta device before activation checkpointing and data parallelism
     (materialize then fills each shard from its full, name-seeded value), or on a real
     model whose parameters are equal on every rank (each keeps its slice). `dropout`:
-    the random streams for a model with dropout, None without.
+    the random streams for a model with dropout, None without. `overlap`: 1d regions reduce
+    their input gradient while their columns' weight gradients are computed (overlap.py).
     """
     if mode not in MODES:
         raise ValueError(f"tensor-parallel mode {mode!r} has no implementation; available: {', '.join(MODES)}")
@@ -106,6 +107,8 @@ def parallelize_tp(model: nn.Module, plan: Plan, mesh: DeviceMesh, sp: bool, mod
     if mode != "1d" and any(isinstance(m, LoRALinear) for m in modules.values()):
         raise ValueError(f"LoRA adapters split with tp_mode 1d only, not {mode}")
     ctx = MODES[mode].context(mesh, sp, dropout)
+    if isinstance(ctx, TPContext):
+        ctx.overlap = overlap
     for pattern, style in plan.items():
         for name in [n for n in modules if matches(pattern, n)]:
             new = MODES[mode].roles[style.role](modules[name], style, ctx)
