@@ -280,13 +280,15 @@ def region(module: nn.Module, ctx: TPContext, sharded_methods: tuple[str, ...] =
     their dropout draws from the per-rank stream.
     """
     inner = module.forward
-    columns: list[ColumnParallelLinear] | None = None  # found at the first forward: the plan replaces them after
+    candidates: list[ColumnParallelLinear] | None = None  # found at the first forward: the plan replaces them after
 
     def forward(*args, **kwargs):
-        nonlocal columns
-        if columns is None:
-            columns = _overlappable_columns(module)
-        if not (columns and ctx.overlap and ctx.region_call is None and _eager_training(args[0])):
+        nonlocal candidates
+        if candidates is None:
+            candidates = _overlappable_columns(module)
+        # Trainable now (LoRA or RLHF may freeze a weight after the first forward).
+        columns = [c for c in candidates if c.weight.requires_grad and (c.bias is None or c.bias.requires_grad)]
+        if not (columns and ctx.overlap and ctx.region_call is None and args and _eager_training(args[0])):
             return inner(*(ctx.enter(a) for a in args[:inputs]), *args[inputs:], **kwargs)
         ctx.region_call = RegionCall(columns)
         try:
@@ -308,8 +310,7 @@ def _overlappable_columns(module: nn.Module) -> list[ColumnParallelLinear]:
     Not a LoRA column (its trainable adapters take the plain path; its base is frozen) nor
     shared units (their replicated weight is summed over tp through copy_to_tp).
     """
-    return [m for m in module.modules() if type(m) is ColumnParallelLinear and m.rows is None
-            and m.weight.requires_grad and (m.bias is None or m.bias.requires_grad)]
+    return [m for m in module.modules() if type(m) is ColumnParallelLinear and m.rows is None]
 
 
 def _eager_training(x: torch.Tensor) -> bool:
