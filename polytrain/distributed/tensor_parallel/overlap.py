@@ -86,17 +86,14 @@ def enter_overlapped(call: RegionCall, xs: tuple[torch.Tensor, ...], group: Proc
     `seq_dim`: under SP the dimension each x (B, T/tp, D) is all-gathered along (backward
     reduce-scatters); None: x is used as is (backward all-reduces).
     """
-    flat = []
-    for column in call.columns:
-        w = column.weight.to_local()  # (out/tp, in)
-        b = column.bias.to_local() if column.bias is not None else None
-        flat += [w] if b is None else [w, b]
-        call.params.append((w, b))  # replaced below by the entry's pass-through views
-        call.records.append([])
-    has_bias = [b is not None for _, b in call.params]
+    has_bias = [c.bias is not None for c in call.columns]
+    flat = []  # each column's local weight (out/tp, in), then its bias (out/tp,) if it has one
+    for column, bias in zip(call.columns, has_bias):
+        flat += [column.weight.to_local(), column.bias.to_local()] if bias else [column.weight.to_local()]
+    call.records = [[] for _ in call.columns]
     out = _Entry.apply(call.records, has_bias, group, seq_dim, len(xs), *xs, *flat)
-    call.inputs, rest = out[:len(xs)], iter(out[len(xs):])
-    call.params = [(next(rest), next(rest) if b is not None else None) for _, b in call.params]
+    call.inputs, passed = out[:len(xs)], iter(out[len(xs):])
+    call.params = [(next(passed), next(passed) if bias else None) for bias in has_bias]
     return call.inputs
 
 
