@@ -4,6 +4,7 @@
     python benchmarks/vs_megatron.py --size tiny --rounds 1 --steps 2 --warmup 1   # a check that it runs
     python benchmarks/vs_megatron.py --polytrain-args "--train.chunked_loss false"
     python benchmarks/vs_megatron.py --pp 2 --micro-batch 2 --micro-batches 4   # tp 2 x pp 2, 1F1B, 4 ranks
+    python benchmarks/vs_megatron.py --precision bf16      # 16-bit weights and gradients, fp32 masters, both sides
 
 Megatron-Core (the `test` extra installs it) is written for CUDA and NCCL; its job runs
 under `polytrain run --nproc 2` (polytrain's CUDA wrapper, so Megatron runs unchanged on
@@ -14,9 +15,15 @@ GPTModel with the local layer spec (Megatron's column/row-parallel linears, its
 vocabulary-parallel embedding and cross-entropy; its fused kernels are CUDA-only) trained
 by `get_forward_backward_func`; polytrain's is `Trainer` with `--model.arch gpt2
 --parallel.tp 2`. The same shape (polytrain's gpt2 preset --size: width, blocks, heads,
-FFN, vocabulary; learned positions, pre-LayerNorm with biases, GELU, tied output), sequence
+FFN, vocabulary; learned positions, pre-LayerNorm with biases, GPT-2's tanh GELU, tied output), sequence
 length and micro-batch, one micro-batch per step, no dropout, no gradient clipping, torch's
-fused AdamW with the same hyperparameters on both sides. Megatron reads random tokens,
+fused AdamW with the same hyperparameters on both sides. Megatron's activation is set to
+GPT-2's tanh GELU, which polytrain's gpt2 preset uses (what Megatron-LM's `--openai-gelu`
+selects; its own default is the exact GELU, ~2x cheaper in bf16 on this CPU), as
+`F.gelu(approximate="tanh")` on both sides. `--precision bf16` trains both in
+bf16 with fp32 master weights: Megatron its own way (TransformerConfig bf16, the model in its
+Float16Module, Float16OptimizerWithFloat16Params over the fused AdamW, no loss scale),
+polytrain with `--train.precision bf16`. Megatron reads random tokens,
 polytrain its token file (the values do not change the work).
 
 `--pp 2` adds pipeline parallelism over 2 x tp ranks: Megatron's GPTModel split into first
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -46,6 +54,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 FRAMEWORKS = ("megatron", "polytrain")
 
@@ -57,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (the job has 2 x pp ranks)")
     p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step (the pipeline's)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: 16-bit weights and gradients, fp32 master weights, both frameworks")
     p.add_argument("--source", default="stdlib", help="polytrain's data.source (tokenized once, cached)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=6)
@@ -92,8 +103,11 @@ class MegatronJob:
         from megatron.core import parallel_state
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.models.gpt.gpt_model import GPTModel
+        from megatron.core.optimizer import OptimizerConfig
+        from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
         from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        from megatron.core.transformer.module import Float16Module
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # the wrapper maps CUDA to this process's device
@@ -101,21 +115,29 @@ class MegatronJob:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=args.pp)
         model_parallel_cuda_manual_seed(123)
         s, self.args = shape(args.size), args
+        bf16 = args.precision == "bf16"
+        dtype = torch.bfloat16 if bf16 else torch.float32
         config = TransformerConfig(num_layers=s["n_layers"], hidden_size=s["dim"], num_attention_heads=s["n_heads"],
                                    ffn_hidden_size=s["ffn_dim"], hidden_dropout=0.0, attention_dropout=0.0,
-                                   use_cpu_initialization=True, pipeline_dtype=torch.float32,
+                                   activation_func=functools.partial(F.gelu, approximate="tanh"),
+                                   use_cpu_initialization=True, bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
                                    tensor_model_parallel_size=2, pipeline_model_parallel_size=args.pp)
         self.vocab = s["vocab_size"]
-        self.model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
-                              vocab_size=self.vocab, max_sequence_length=args.seq_len,
-                              pre_process=parallel_state.is_pipeline_first_stage(),
-                              post_process=parallel_state.is_pipeline_last_stage()).cuda()
+        self.gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                            vocab_size=self.vocab, max_sequence_length=args.seq_len,
+                            pre_process=parallel_state.is_pipeline_first_stage(),
+                            post_process=parallel_state.is_pipeline_last_stage()).cuda()
+        self.model = Float16Module(config, self.gpt) if bf16 else self.gpt
         # The first and last stages each hold the tied word embedding (input table, output layer).
         self.embedding_group = parallel_state.get_embedding_group() if args.pp > 1 else None
         self.holds_embedding = (self.embedding_group is not None and torch.distributed.get_rank()
                                 in torch.distributed.get_process_group_ranks(self.embedding_group))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-4, betas=(0.9, 0.95),
                                            weight_decay=0.1, fused=True)
+        if bf16:  # fp32 masters of the bf16 weights; the inner AdamW steps the masters
+            self.optimizer = Float16OptimizerWithFloat16Params(
+                self.optimizer, OptimizerConfig(bf16=True, clip_grad=0.0, lr=3e-4, weight_decay=0.1),
+                grad_scaler=None, init_state_fn=None)
         self.forward_backward = get_forward_backward_func()
         self.generator = torch.Generator().manual_seed(1234)
 
@@ -145,7 +167,7 @@ class MegatronJob:
                                         micro_batch_size=self.args.micro_batch, decoder_seq_length=T,
                                         forward_only=False)
         if self.holds_embedding:  # the two copies' gradients summed, as finalize_model_grads does
-            grad = self.model.shared_embedding_or_output_weight().grad
+            grad = self.gpt.shared_embedding_or_output_weight().grad
             torch.distributed.all_reduce(grad, group=self.embedding_group)
         self.optimizer.step()
         # The loss is known on the last stage only.
@@ -162,7 +184,7 @@ class PolytrainJob:
                      "--data.source", args.source, "--data.seq_len", str(args.seq_len),
                      "--train.micro_batch_size", str(args.micro_batch),
                      "--train.global_batch_size", str(args.micro_batch * args.micro_batches),
-                     "--train.grad_clip", "0",
+                     "--train.grad_clip", "0", "--train.precision", args.precision,
                      "--train.lr", "3e-4", "--train.warmup_steps", "0", "--model.max_seq_len", str(args.seq_len),
                      "--run.steps", str(args.warmup + args.steps),
                      "--run.out_dir", str(args.out_dir), "--checkpoint.resume", "none",
@@ -205,7 +227,7 @@ def launch(args: argparse.Namespace, framework: str, work: Path, tag: str) -> di
            "--worker", framework, "--result", str(result), "--out-dir", str(work / tag), "--size", args.size,
            "--seq-len", str(args.seq_len), "--micro-batch", str(args.micro_batch), "--source", args.source,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--polytrain-args", args.polytrain_args,
-           "--pp", str(args.pp), "--micro-batches", str(args.micro_batches)]
+           "--pp", str(args.pp), "--micro-batches", str(args.micro_batches), "--precision", args.precision]
     if args.polytrain_under_wrapper:
         cmd.append("--polytrain-under-wrapper")
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, args.threads // nproc))}
@@ -254,7 +276,7 @@ def main() -> None:
              f"`python benchmarks/vs_megatron.py {' '.join(map(shlex.quote, sys.argv[1:]))}`: gpt2 {args.size} "
              f"(dim {s['dim']}, {s['n_layers']} blocks, vocab {s['vocab_size']}), tp 2"
              f"{f' x pp {args.pp} (1F1B)' if args.pp > 1 else ''}, seq {args.seq_len}, "
-             f"micro-batch {args.micro_batch} x {args.micro_batches}, fp32, {args.rounds} rounds x {args.steps} steps after {args.warmup}",
+             f"micro-batch {args.micro_batch} x {args.micro_batches}, {args.precision}, {args.rounds} rounds x {args.steps} steps after {args.warmup}",
              "", "| framework | tokens/s (median) | spread | peak RSS MiB | polytrain/Megatron (per-round) |",
              "| --- | ---: | ---: | ---: | --- |"]
     for f in FRAMEWORKS:

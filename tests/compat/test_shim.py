@@ -40,6 +40,18 @@ def test_cuda_device_names_create_tensors_on_the_accelerator(shim):
     assert not x.is_cuda and x.device.type == "cpu"  # a tensor's own device is the truth
 
 
+def test_legacy_type_names_read_as_cuda_ones(shim):
+    # Megatron's mixed-precision optimizers keep the parameters whose type() is
+    # "torch.cuda.BFloat16Tensor" / "torch.cuda.HalfTensor" in 16 bits and refuse any other name.
+    assert torch.ones(2, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+    assert torch.ones(2).type() == "torch.cuda.FloatTensor"
+    assert torch.nn.Linear(2, 2).weight.type() == "torch.cuda.FloatTensor"
+    half = torch.ones(2).type("torch.cuda.HalfTensor")  # and the names cast, as before
+    assert half.dtype == torch.float16 and half.type() == "torch.cuda.HalfTensor"
+    assert torch.ones(2).type(torch.float64).dtype == torch.float64
+    assert torch.ones(2, device="meta").type() == "torch.meta.FloatTensor"  # not on the accelerator
+
+
 def test_device_contexts_meta_and_cuda(shim):
     with torch.device("meta"):  # e.g. polytrain's own meta-device build of big models
         assert torch.nn.Linear(4096, 4096).weight.device.type == "meta"

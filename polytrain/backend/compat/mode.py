@@ -42,7 +42,7 @@ class CudaDeviceMode(TorchFunctionMode):
         self.special: dict[Callable, Callable] = {
             _Tensor.to: self._to,
             _Tensor.cuda: self._cuda,
-            _Tensor.type: lambda func, args, kwargs: func(*_legacy_type(args, legacy), **kwargs),
+            _Tensor.type: functools.partial(_legacy_type, legacy=legacy, accelerator=dm.type),
             _Tensor.record_stream: _record_stream,
             _Tensor.pin_memory: self._map_kwargs if pin else lambda func, args, kwargs: args[0],
             _Tensor.is_pinned: self._map_kwargs if pin else lambda func, args, kwargs: False,
@@ -81,11 +81,19 @@ class CudaDeviceMode(TorchFunctionMode):
         return _Tensor.to(tensor, target, **rest)
 
 
-def _legacy_type(args: tuple, legacy: str) -> tuple:
-    """x.type('torch.cuda.HalfTensor') -> the accelerator's legacy type name."""
+def _legacy_type(func: Callable, args: tuple, kwargs: dict, legacy: str, accelerator: str) -> Any:
+    """Tensor.type() in CUDA's legacy names, both ways.
+
+    x.type("torch.cuda.HalfTensor") casts to the accelerator's legacy type; x.type() of a tensor
+    on the accelerator answers "torch.cuda.HalfTensor", since CUDA code compares that string
+    (Megatron's mixed-precision optimizers sort their bf16 / fp16 / fp32 parameters by it).
+    """
     if len(args) > 1 and isinstance(args[1], str) and args[1].startswith("torch.cuda."):
-        return (args[0], legacy + args[1][len("torch.cuda."):], *args[2:])
-    return args
+        args = (args[0], legacy + args[1][len("torch.cuda."):], *args[2:])
+    name = func(*args, **kwargs)
+    if isinstance(name, str) and args[0].device.type == accelerator and name.startswith(legacy):
+        return "torch.cuda." + name[len(legacy):]  # "torch.BFloat16Tensor" -> "torch.cuda.BFloat16Tensor"
+    return name
 
 
 def _record_stream(func: Callable, args: tuple, kwargs: dict) -> Any:
