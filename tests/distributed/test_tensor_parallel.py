@@ -161,11 +161,35 @@ def _frozen_after_first_backward(rank: int, world_size: int) -> None:
                                        msg=f"gradient of {name}")
 
 
+def _bf16_states_overlap(rank: int, world_size: int) -> None:
+    """16-bit model states train under autocast to their own dtype (the trainer's bf16): the
+    overlapped entry still applies there, and its gradients are the plain path's."""
+    from unittest import mock
+
+    from polytrain.distributed.tensor_parallel import overlap, vocab_parallel_loss
+
+    grads, started = {}, {}
+    for on in (False, True):
+        _, model, _, mesh = _setup(world_size, False, BASE, overlap=on)
+        model.to(torch.bfloat16)
+        gen = torch.Generator().manual_seed(3)
+        tokens, targets = (torch.randint(0, BASE.vocab_size, (B, T), generator=gen) for _ in range(2))
+        counting = mock.patch.object(overlap, "start_all_reduce", wraps=overlap.start_all_reduce)
+        with counting as start, torch.autocast("cpu", dtype=torch.bfloat16):
+            vocab_parallel_loss(mesh["tp"], BASE.vocab_size)(model(tokens), targets).backward()
+        started[on] = start.call_count
+        grads[on] = {name: p.grad.to_local().float() for name, p in model.named_parameters()}
+    assert started == {False: 0, True: 2 * BASE.n_layers}, started  # one per attention and MLP region
+    for name, grad in grads[True].items():  # bf16: the sums of dx may round in another order
+        torch.testing.assert_close(grad, grads[False][name], rtol=2e-2, atol=2e-3, msg=name)
+
+
 def _tp2_all(rank: int, world_size: int, cases: list) -> dict:
     """One set of 2 ranks for every tp = 2 check (spawning ranks costs seconds)."""
     stats = [_compare_model(rank, world_size, *case) for case in cases]
     _compare_stages(rank, world_size)
     _frozen_after_first_backward(rank, world_size)
+    _bf16_states_overlap(rank, world_size)
     return {"stats": stats, "dropout": _dropout_streams(rank, world_size)}
 
 

@@ -288,7 +288,8 @@ def region(module: nn.Module, ctx: TPContext, sharded_methods: tuple[str, ...] =
             candidates = _overlappable_columns(module)
         # Trainable now (LoRA or RLHF may freeze a weight after the first forward).
         columns = [c for c in candidates if c.weight.requires_grad and (c.bias is None or c.bias.requires_grad)]
-        if not (columns and ctx.overlap and ctx.region_call is None and args and _eager_training(args[0])):
+        if not (columns and ctx.overlap and ctx.region_call is None and args
+                and _eager_training(args[:inputs], columns)):
             return inner(*(ctx.enter(a) for a in args[:inputs]), *args[inputs:], **kwargs)
         ctx.region_call = RegionCall(columns)
         try:
@@ -313,10 +314,19 @@ def _overlappable_columns(module: nn.Module) -> list[ColumnParallelLinear]:
     return [m for m in module.modules() if type(m) is ColumnParallelLinear and m.rows is None]
 
 
-def _eager_training(x: torch.Tensor) -> bool:
-    """A forward whose backward the overlapped entry can run: grad on, not compiling, no autocast."""
-    return (torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and not torch.is_autocast_enabled(x.device.type))
+def _eager_training(inputs: tuple, columns: list[ColumnParallelLinear]) -> bool:
+    """A forward whose backward the overlapped entry can run: grad on, not compiling, and no autocast
+    that casts here. 16-bit model states train under autocast to their own dtype, which leaves
+    16-bit inputs and weights as they are; fp32 weights under autocast (autocast_only) would need
+    the casts the entry does not redo."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return False
+    device = inputs[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return True
+    dtype = torch.get_autocast_dtype(device)
+    return (all(x.dtype == dtype for x in inputs if isinstance(x, torch.Tensor))
+            and all(c.weight.dtype == dtype for c in columns))
 
 
 def root(module: nn.Module, ctx: TPContext, cache_argument: str = "cache",
