@@ -21,8 +21,9 @@ through autograd (gradient hooks of ZeRO and data parallelism fire as usual). Th
 is per call, cleared by the entry's backward, so activation checkpointing's recomputation
 and a retained graph's second backward count each gradient once. Used in eager training
 only: a compiled block traces the plain collectives (its graph is the compiler's to
-schedule), autocast would need the casts this module does not redo, and the zero-bubble
-pipeline schedule splits input and weight gradients itself.
+schedule), an autocast that casts (fp32 weights under train.autocast_only; 16-bit states run
+under autocast to their own dtype, which casts nothing here) would need the casts this module
+does not redo, and the zero-bubble pipeline schedule splits input and weight gradients itself.
 """
 
 from __future__ import annotations
