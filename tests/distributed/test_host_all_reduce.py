@@ -1,0 +1,74 @@
+"""The shared-memory all-reduce gives what gloo's gives, on every rank alike, and says who is late."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+
+from polytrain.backend import host_all_reduce
+from tests.multirank import run_ranks
+
+pytestmark = pytest.mark.skipif(not host_all_reduce._X86, reason="the shared-memory path is x86-64 only")
+
+
+def _same_on_every_rank(x: torch.Tensor, group) -> bool:
+    import torch.distributed as dist
+
+    gathered = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, x, group=group)
+    return all(torch.equal(g, x) for g in gathered)
+
+
+def _check(rank: int, world_size: int) -> None:
+    import torch.distributed as dist
+
+    from polytrain.distributed.collectives import all_reduce, start_all_reduce
+
+    pair = dist.new_group([0, 1])
+    abandoned = dist.new_group([0, 1])
+    generator = torch.Generator().manual_seed(rank)
+    # (numel, dtype): one slot piece, several pieces (> SLOT_BYTES), 16-bit, an odd size.
+    cases = [(2048 * 384, torch.float32), (3 * host_all_reduce.SLOT_BYTES // 8, torch.float32),
+             (2048 * 384, torch.bfloat16), (1001, torch.float32)]
+    for group, members in ((None, world_size), (pair, 2)):
+        if rank >= members:
+            continue
+        for _ in range(3):  # both buffer sets, reused
+            for numel, dtype in cases:
+                x = torch.randn(numel, generator=generator).to(dtype)
+                reference = x.clone()
+                dist.all_reduce(reference, group=group)  # gloo's own
+                ours = all_reduce(x, group)
+                started, work = start_all_reduce(x, group)
+                assert work is None  # done at once
+                assert torch.equal(ours, started) and _same_on_every_rank(ours, group)
+                if members == 2:  # a + b in either order: the same bits
+                    assert torch.equal(ours, reference)
+                else:  # against the float64 sum, to within two roundings in the dtype
+                    every = [torch.empty_like(x) for _ in range(members)]
+                    dist.all_gather(every, x, group=group)
+                    summed = torch.stack(every).double()  # (members, numel)
+                    bound = 2 * torch.finfo(dtype).eps * summed.abs().sum(0)
+                    assert ((ours.double() - summed.sum(0)).abs() <= bound).all()
+        key = group if group is not None else dist.group.WORLD
+        assert host_all_reduce._channels[key].calls >= 3 * len(cases)  # it went through shared memory
+    ints = torch.arange(6) * (rank + 1)
+    assert torch.equal(all_reduce(ints, None), torch.arange(6) * sum(range(1, world_size + 1)))  # gloo's
+    assert not glob.glob(os.path.join(host_all_reduce._shm_dir(), "polytrain-all-reduce-*"))  # unlinked
+    os.environ[host_all_reduce.ENV_SWITCH] = "0"
+    assert not host_all_reduce.usable(torch.ones(3), None)
+    del os.environ[host_all_reduce.ENV_SWITCH]
+    dist.barrier()
+    if rank == 0:  # rank 1 never joins this call
+        host_all_reduce.WAIT_TIMEOUT_S = 0.5
+        with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] did not arrive"):
+            host_all_reduce.all_reduce_(torch.ones(4), abandoned)
+    elif rank == 1:
+        host_all_reduce.all_reduce_(torch.ones(0), abandoned)  # opens the channel with rank 0, sums nothing
+
+
+def test_shared_memory_all_reduce_matches_gloo():
+    run_ranks(3, _check)
