@@ -46,6 +46,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.distributed.distributed_c10d as c10d
 from torch.distributed.tensor import DTensor
 
+from polytrain.backend import host_collectives
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.multirank is not installed
 from tests.multirank import run_ranks
 
@@ -144,6 +146,10 @@ FUNCOL = {
     "all_gather_single": ("self", "piece"),
     "reduce_scatter_single": ("self", "whole"),
 }
+HOST = {  # polytrain's shared-memory path (backend/host_collectives.py): counted when it ran
+    "all_reduce_": ("x", "all_reduce"),
+    "all_gather_": ("out", "whole"),
+}
 SENT_SHARE = {"all_reduce": lambda n: 2 * (n - 1) / n,
               "whole": lambda n: (n - 1) / n,
               "piece": lambda n: n - 1,
@@ -174,12 +180,20 @@ class CommCounter:
         self._depth = 0
         self._saved: list[tuple[object, str, object]] = []
 
-    def _wrap(self, module, name: str, buffer_arg: str, share: str, group_size, label: str) -> None:
+    def _wrap(self, module, name: str, buffer_arg: str, share: str, group_size, label: str,
+              ran=lambda result: True) -> None:
+        """`ran(result)`: whether the call did the collective (the shared-memory path may decline)."""
         original = getattr(module, name)
         signature = inspect.signature(original)
 
         def counted(*args, **kwargs):
-            if self._depth == 0:
+            outermost = self._depth == 0
+            self._depth += 1
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                self._depth -= 1
+            if outermost and ran(result):
                 bound = signature.bind(*args, **kwargs)
                 n = group_size(bound.arguments.get("group"))
                 nbytes = _nbytes(bound.arguments[buffer_arg])
@@ -187,11 +201,7 @@ class CommCounter:
                 entry = self.calls.setdefault(f"{label} ({kind})", [0, 0])
                 entry[0] += 1
                 entry[1] += SENT_SHARE[share](n) * nbytes
-            self._depth += 1
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self._depth -= 1
+            return result
 
         self._saved.append((module, name, original))
         setattr(module, name, counted)
@@ -203,6 +213,8 @@ class CommCounter:
                     self._wrap(module, name, arg, share, lambda g: dist.get_world_size(g), name)
         for name, (arg, share) in FUNCOL.items():
             self._wrap(funcol, name, arg, share, _funcol_size, f"funcol.{name}")
+        for name, (arg, share) in HOST.items():
+            self._wrap(host_collectives, name, arg, share, lambda g: dist.get_world_size(g), f"shm.{name}", bool)
         return self
 
     def __exit__(self, *exc) -> None:

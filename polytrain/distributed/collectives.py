@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from polytrain.backend import host_all_reduce
+from polytrain.backend import host_collectives
 
 # ----- counting -------------------------------------------------------------------------
 
@@ -141,7 +141,7 @@ def all_reduce(x: torch.Tensor, group: ProcessGroup | None,
 def _host_all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> bool:
     """Sum x in place through shared memory where the group's ranks share this host (gloo's TCP
     loopback costs ~4x the time); False: the caller uses the process group."""
-    return host_all_reduce.usable(x, group) and host_all_reduce.all_reduce_(x, group)
+    return host_collectives.usable(x, group) and host_collectives.all_reduce_(x, group)
 
 
 def start_all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> tuple[torch.Tensor, dist.Work | None]:

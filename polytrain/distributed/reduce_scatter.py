@@ -5,10 +5,12 @@ reduce-scatter leaves rank r the sum over the ranks of row r. Where the accelera
 says `reduce_scatter_by_all_reduce` (the CPU backend: on one host its reduce-scatter
 of a 12 MiB buffer takes about twice its all-reduce of the same buffer, and part of
 it runs in the calling thread), the whole buffer is all-reduced in place and each
-rank reads its own row: twice the bytes on the wire, less time.
+rank reads its own row: twice the bytes on the wire, less time. Between ranks of one host the all-reduce goes
+through shared memory where it can (backend/host_collectives.py), done at once.
 
     work, recv = start_reduce_scatter(send, group, rank, by_all_reduce)  # ZeRO-1/2
     model.set_custom_reduce_scatter(AllReduceScatter())                 # FSDP2 (ZeRO-3)
+    model.set_custom_all_gather(HostAllGather())                        # FSDP2's parameter gathers
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+from polytrain.backend import host_collectives
 
 
 def start_reduce_scatter(send: torch.Tensor, group: dist.ProcessGroup | None, rank: int,
@@ -30,6 +34,8 @@ def start_reduce_scatter(send: torch.Tensor, group: dist.ProcessGroup | None, ra
     if group is None:
         return None, send[0]
     if by_all_reduce:
+        if host_collectives.usable(send, group) and host_collectives.all_reduce_(send, group):
+            return None, send[rank]
         return dist.all_reduce(send, group=group, async_op=True), send[rank]
     recv = torch.empty(send.shape[1], dtype=send.dtype, device=send.device)
     return dist.reduce_scatter_single(recv, send.view(-1), group=group, async_op=True), recv
@@ -49,6 +55,24 @@ class AllReduceScatter:
                  group: dist.ProcessGroup, op: dist.ReduceOp, async_op: bool = False) -> None:
         if async_op:
             raise NotImplementedError("AllReduceScatter runs synchronously, as FSDP2 calls it")
-        dist.all_reduce(input_tensor, op=op, group=group)
+        summed = (op == dist.ReduceOp.SUM and host_collectives.usable(input_tensor, group)
+                  and host_collectives.all_reduce_(input_tensor, group))
+        if not summed:
+            dist.all_reduce(input_tensor, op=op, group=group)
         rows = input_tensor.view(group.size(), -1)  # (dp, S)
         output_tensor.copy_(rows[dist.get_rank(group)])
+
+
+class HostAllGather:
+    """FSDP2's all-gather (`FSDPModule.set_custom_all_gather`) through shared memory where the
+    group's ranks share this host, else the process group's; the shared path is done at once."""
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
+        if host_collectives.usable(input_tensor, group) and host_collectives.all_gather_(
+                output_tensor, input_tensor, group):
+            return None
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)

@@ -65,6 +65,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from polytrain.backend import host_collectives
 from polytrain.backend.base import Accelerator
 from polytrain.config import TrainConfig
 from polytrain.distributed.offload import ShardStore, fresh_state, state_names
@@ -371,6 +372,8 @@ class ZeroDataParallel:
         if self.group is None:
             out.copy_(inp)
             return None
+        if host_collectives.usable(inp, self.group) and host_collectives.all_gather_(out, inp, self.group):
+            return None  # done at once through shared memory
         return dist.all_gather_single(out, inp, group=self.group, async_op=True)
 
     def _finish_oldest(self) -> None:

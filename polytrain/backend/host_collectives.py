@@ -1,4 +1,4 @@
-"""All-reduce through shared memory for process groups whose ranks share one host's memory.
+"""All-reduce and all-gather through shared memory for process groups whose ranks share one host.
 
 Tensor parallelism all-reduces activations several times per layer. Between processes of
 one machine, gloo moves every byte over TCP loopback, with its own threads doing the
@@ -11,9 +11,11 @@ the peer's copy takes about 1 ms. Each group gets one mapped buffer (2 sets x n 
              waits until every flag >= g
              sums slots 0..n-1 of set g % 2 in rank order (every rank gets identical bits)
 
-Alternating the two sets needs no second wait: a rank writes set g % 2 again at call g + 2,
+An all-gather writes its shard the same way and every rank copies the n slots out in rank
+order. Alternating the two sets needs no second wait: a rank writes set g % 2 again at call g + 2,
 only after every peer's flag reached g + 1, which each set after it finished reading call g.
-Tensors larger than a slot go through in slot-sized pieces.
+Tensors larger than a slot go through in slot-sized pieces (ZeRO's 25 MiB buckets, FSDP2's
+gathered blocks).
 
 Used when every rank of the group runs on this host (checked once per group), the tensor is
 a contiguous host tensor of a floating dtype summed, nothing is being compiled, and the
@@ -78,6 +80,19 @@ class _Channel:
             else:
                 torch.sum(slots, 0, out=piece)
 
+    def all_gather_(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """Every rank's contiguous `x` (S,) into `out` (n * S,), in group-rank order."""
+        rows = out.view(self.size, -1)  # (n, S)
+        step = SLOT_BYTES // x.element_size()
+        for start in range(0, x.numel(), step):
+            piece = x[start:start + step]
+            self.calls += 1
+            slots = self.data[self.calls % 2, :, :piece.numel() * x.element_size()].view(x.dtype)  # (n, numel)
+            slots[self.rank].copy_(piece)
+            self.flags[self.rank] = self.calls
+            self._wait_for_peers()
+            rows[:, start:start + piece.numel()].copy_(slots)
+
     def _wait_for_peers(self) -> None:
         deadline = None
         while int(self.flags.min()) < self.calls:
@@ -116,7 +131,7 @@ def _shm_dir() -> str:
 
 
 def usable(x: torch.Tensor, group: ProcessGroup | None) -> bool:
-    """Whether `all_reduce_` may take this call (the same answer on every rank of the group)."""
+    """Whether `all_reduce_` / `all_gather_` may take this call (the same answer on every rank of the group)."""
     return (_X86 and x.device.type == "cpu" and x.is_floating_point() and x.is_contiguous()
             and not torch.compiler.is_compiling() and os.environ.get(ENV_SWITCH, "1") != "0"
             and dist.get_world_size(group) > 1)
@@ -125,11 +140,25 @@ def usable(x: torch.Tensor, group: ProcessGroup | None) -> bool:
 def all_reduce_(x: torch.Tensor, group: ProcessGroup | None) -> bool:
     """Sum `x` over `group` in place through shared memory; False (nothing done) where the group's
     ranks are on several hosts. Call only where `usable(x, group)`; collective: every rank calls it."""
-    key = group if group is not None else dist.group.WORLD
-    if key not in _channels:
-        _channels[key] = _open(group)
-    channel = _channels[key]
+    channel = _channel(group)
     if channel is None:
         return False
     channel.all_reduce_(x)
     return True
+
+
+def all_gather_(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | None) -> bool:
+    """Gather every rank's `x` (S,) into contiguous `out` (n * S,) through shared memory; False
+    (nothing done) as `all_reduce_`. Call only where `usable(x, group)`; collective."""
+    channel = _channel(group)
+    if channel is None:
+        return False
+    channel.all_gather_(out, x)
+    return True
+
+
+def _channel(group: ProcessGroup | None) -> _Channel | None:
+    key = group if group is not None else dist.group.WORLD
+    if key not in _channels:
+        _channels[key] = _open(group)
+    return _channels[key]

@@ -1,4 +1,4 @@
-"""The shared-memory all-reduce gives what gloo's gives, on every rank alike, and says who is late."""
+"""The shared-memory all-reduce and all-gather give what gloo's give, on every rank alike, and name who is late."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
-from polytrain.backend import host_all_reduce
+from polytrain.backend import host_collectives
 from tests.multirank import run_ranks
 
-pytestmark = pytest.mark.skipif(not host_all_reduce._X86, reason="the shared-memory path is x86-64 only")
+pytestmark = pytest.mark.skipif(not host_collectives._X86, reason="the shared-memory path is x86-64 only")
 
 
 def _same_on_every_rank(x: torch.Tensor, group) -> bool:
@@ -31,7 +31,7 @@ def _check(rank: int, world_size: int) -> None:
     abandoned = dist.new_group([0, 1])
     generator = torch.Generator().manual_seed(rank)
     # (numel, dtype): one slot piece, several pieces (> SLOT_BYTES), 16-bit, an odd size.
-    cases = [(2048 * 384, torch.float32), (3 * host_all_reduce.SLOT_BYTES // 8, torch.float32),
+    cases = [(2048 * 384, torch.float32), (3 * host_collectives.SLOT_BYTES // 8, torch.float32),
              (2048 * 384, torch.bfloat16), (1001, torch.float32)]
     for group, members in ((None, world_size), (pair, 2)):
         if rank >= members:
@@ -53,22 +53,29 @@ def _check(rank: int, world_size: int) -> None:
                     summed = torch.stack(every).double()  # (members, numel)
                     bound = 2 * torch.finfo(dtype).eps * summed.abs().sum(0)
                     assert ((ours.double() - summed.sum(0)).abs() <= bound).all()
+            for numel, dtype in cases:  # all-gather: exactly gloo's
+                x = torch.randn(numel, generator=generator).to(dtype)
+                reference = x.new_empty(members * numel)
+                dist.all_gather_single(reference, x, group=group)
+                ours = torch.full_like(reference, float("nan"))
+                assert host_collectives.all_gather_(ours, x, group)
+                assert torch.equal(ours, reference)
         key = group if group is not None else dist.group.WORLD
-        assert host_all_reduce._channels[key].calls >= 3 * len(cases)  # it went through shared memory
+        assert host_collectives._channels[key].calls >= 6 * len(cases)  # it went through shared memory
     ints = torch.arange(6) * (rank + 1)
     assert torch.equal(all_reduce(ints, None), torch.arange(6) * sum(range(1, world_size + 1)))  # gloo's
-    assert not glob.glob(os.path.join(host_all_reduce._shm_dir(), "polytrain-all-reduce-*"))  # unlinked
-    os.environ[host_all_reduce.ENV_SWITCH] = "0"
-    assert not host_all_reduce.usable(torch.ones(3), None)
-    del os.environ[host_all_reduce.ENV_SWITCH]
+    assert not glob.glob(os.path.join(host_collectives._shm_dir(), "polytrain-all-reduce-*"))  # unlinked
+    os.environ[host_collectives.ENV_SWITCH] = "0"
+    assert not host_collectives.usable(torch.ones(3), None)
+    del os.environ[host_collectives.ENV_SWITCH]
     dist.barrier()
     if rank == 0:  # rank 1 never joins this call
-        host_all_reduce.WAIT_TIMEOUT_S = 0.5
+        host_collectives.WAIT_TIMEOUT_S = 0.5
         with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] did not arrive"):
-            host_all_reduce.all_reduce_(torch.ones(4), abandoned)
+            host_collectives.all_reduce_(torch.ones(4), abandoned)
     elif rank == 1:
-        host_all_reduce.all_reduce_(torch.ones(0), abandoned)  # opens the channel with rank 0, sums nothing
+        host_collectives.all_reduce_(torch.ones(0), abandoned)  # opens the channel with rank 0, sums nothing
 
 
-def test_shared_memory_all_reduce_matches_gloo():
+def test_shared_memory_collectives_match_gloo():
     run_ranks(3, _check)
