@@ -1,7 +1,7 @@
 """All-reduce and all-gather through shared memory for process groups whose ranks share one host.
 
-Tensor parallelism all-reduces activations several times per layer. Between processes of
-one machine, gloo moves every byte over TCP loopback, with its own threads doing the
+Tensor parallelism all-reduces activations several times per layer; ZeRO reduces gradient
+buckets and gathers parameters every step. Between processes of one machine, gloo moves every byte over TCP loopback, with its own threads doing the
 copies: a (2048, 384) fp32 sum between 2 ranks takes 3.9 ms (median) on this project's
 2-core machine, where writing it to shared memory, waiting for the peer's flag and adding
 the peer's copy takes about 1 ms. Each group gets one mapped buffer (2 sets x n ranks x
@@ -18,10 +18,13 @@ Tensors larger than a slot go through in slot-sized pieces (ZeRO's 25 MiB bucket
 gathered blocks).
 
 Used when every rank of the group runs on this host (checked once per group), the tensor is
-a contiguous host tensor of a floating dtype summed, nothing is being compiled, and the
+a contiguous host tensor of a floating dtype (an all-reduce: summed), nothing is being compiled, and the
 machine is x86-64: the flag protocol relies on its store order (a store is seen by others
 after the stores before it), which ARM does not promise without fences Python cannot issue.
-Elsewhere, or with POLYTRAIN_SHM_ALL_REDUCE=0, the process group's own all-reduce runs.
+Elsewhere, or with POLYTRAIN_SHM_ALL_REDUCE=0 (both collectives), the process group's own run.
+The shared path is synchronous: where the caller would have overlapped an asynchronous gloo
+call with backward (ZeRO-1/2's buckets, tp's input gradients), it gets the result at once,
+and the work a gloo call would have taken from the cores is gone.
 The mapping's file is unlinked as soon as every rank holds it, so nothing is left in
 /dev/shm when a job dies.
 """
@@ -35,6 +38,7 @@ import tempfile
 import time
 import uuid
 import weakref
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -66,15 +70,7 @@ class _Channel:
 
     def all_reduce_(self, x: torch.Tensor) -> None:
         """Sum contiguous `x` over the group in place."""
-        flat = x.view(-1)
-        step = SLOT_BYTES // x.element_size()
-        for start in range(0, flat.numel(), step):
-            piece = flat[start:start + step]
-            self.calls += 1
-            slots = self.data[self.calls % 2, :, :piece.numel() * x.element_size()].view(x.dtype)  # (n, numel)
-            slots[self.rank].copy_(piece)
-            self.flags[self.rank] = self.calls
-            self._wait_for_peers()
+        for piece, slots in self._exchange(x.view(-1)):
             if self.size == 2:
                 torch.add(slots[0], slots[1], out=piece)
             else:
@@ -83,15 +79,23 @@ class _Channel:
     def all_gather_(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """Every rank's contiguous `x` (S,) into `out` (n * S,), in group-rank order."""
         rows = out.view(self.size, -1)  # (n, S)
-        step = SLOT_BYTES // x.element_size()
-        for start in range(0, x.numel(), step):
-            piece = x[start:start + step]
+        start = 0
+        for piece, slots in self._exchange(x.view(-1)):
+            rows[:, start:start + piece.numel()].copy_(slots)
+            start += piece.numel()
+
+    def _exchange(self, flat: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """For each slot-sized piece of `flat`: publish it, wait for every peer's, and yield
+        (this rank's piece, every rank's (n, piece numel)) to be read before the next piece."""
+        step = SLOT_BYTES // flat.element_size()
+        for start in range(0, flat.numel(), step):
+            piece = flat[start:start + step]
             self.calls += 1
-            slots = self.data[self.calls % 2, :, :piece.numel() * x.element_size()].view(x.dtype)  # (n, numel)
+            slots = self.data[self.calls % 2, :, :piece.numel() * flat.element_size()].view(flat.dtype)
             slots[self.rank].copy_(piece)
             self.flags[self.rank] = self.calls
             self._wait_for_peers()
-            rows[:, start:start + piece.numel()].copy_(slots)
+            yield piece, slots
 
     def _wait_for_peers(self) -> None:
         deadline = None
@@ -101,9 +105,9 @@ class _Channel:
                 deadline = time.monotonic() + WAIT_TIMEOUT_S
             elif time.monotonic() > deadline:
                 late = [self.peers[i] for i, f in enumerate(self.flags.tolist()) if f < self.calls]
-                raise RuntimeError(f"shared-memory all-reduce #{self.calls}: rank(s) {late} did not arrive "
+                raise RuntimeError(f"shared-memory collective #{self.calls}: rank(s) {late} did not arrive "
                                    f"within {WAIT_TIMEOUT_S:.0f} s (a peer died or runs other collectives); "
-                                   f"{ENV_SWITCH}=0 uses the process group's own all-reduce")
+                                   f"{ENV_SWITCH}=0 uses the process group's own collectives")
 
 
 def _open(group: ProcessGroup | None) -> _Channel | None:
