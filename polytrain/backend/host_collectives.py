@@ -48,6 +48,10 @@ SLOT_BYTES = 4 * 1024 * 1024
 """One rank's part of one buffer set: a (2048, 512) fp32 tensor in one piece."""
 WAIT_TIMEOUT_S = 600.0
 """How long a rank waits for its peers' flags before it says which one did not arrive."""
+FAST_POLLS = 2000
+"""Flag polls (about 1 us each) before a waiting rank starts to sleep."""
+MIN_NAP_S, MAX_NAP_S = 50e-6, 500e-6
+"""The first and the longest sleep between polls after that."""
 ENV_SWITCH = "POLYTRAIN_SHM_ALL_REDUCE"
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 
@@ -98,9 +102,15 @@ class _Channel:
             yield piece, slots
 
     def _wait_for_peers(self) -> None:
-        deadline = None
+        """Poll the flags, yielding the core, while the peers are close behind; then sleep in
+        growing naps, so ranks that outnumber the cores (tests, tp x pp on a laptop) do not
+        take turns burning them."""
+        polls, nap, deadline = 0, MIN_NAP_S / 2, None
         while int(self.flags.min()) < self.calls:
-            os.sched_yield()  # a peer may share this core (more ranks than cores)
+            polls += 1
+            if polls <= FAST_POLLS:
+                os.sched_yield()
+                continue
             if deadline is None:
                 deadline = time.monotonic() + WAIT_TIMEOUT_S
             elif time.monotonic() > deadline:
@@ -108,6 +118,8 @@ class _Channel:
                 raise RuntimeError(f"shared-memory collective #{self.calls}: rank(s) {late} did not arrive "
                                    f"within {WAIT_TIMEOUT_S:.0f} s (a peer died or runs other collectives); "
                                    f"{ENV_SWITCH}=0 uses the process group's own collectives")
+            nap = min(MAX_NAP_S, nap * 2)
+            time.sleep(nap)
 
 
 def _open(group: ProcessGroup | None) -> _Channel | None:
