@@ -26,7 +26,8 @@ The shared path is synchronous: where the caller would have overlapped an asynch
 call with backward (ZeRO-1/2's buckets, tp's input gradients), it gets the result at once,
 and the work a gloo call would have taken from the cores is gone.
 The mapping's file is unlinked as soon as every rank holds it, so nothing is left in
-/dev/shm when a job dies.
+/dev/shm when a job dies; a rank waiting for a peer whose process has exited raises within
+LIVENESS_CHECK_S, naming it, as gloo's broken connection would.
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ from torch.distributed import ProcessGroup
 SLOT_BYTES = 4 * 1024 * 1024
 """One rank's part of one buffer set: a (2048, 512) fp32 tensor in one piece."""
 WAIT_TIMEOUT_S = 600.0
-"""How long a rank waits for its peers' flags before it says which one did not arrive."""
+"""How long a rank waits for its live peers' flags before it says which one did not arrive."""
+LIVENESS_CHECK_S = 0.2
+"""How often a waiting rank looks whether its late peers' processes still exist."""
 FAST_POLLS = 2000
 """Flag polls (about 1 us each) before a waiting rank starts to sleep."""
 MIN_NAP_S, MAX_NAP_S = 50e-6, 500e-6
@@ -63,8 +66,8 @@ _channels: weakref.WeakKeyDictionary[ProcessGroup, _Channel | None] = weakref.We
 class _Channel:
     """One process group's mapped buffer and flags (see the module doc)."""
 
-    def __init__(self, group: ProcessGroup | None, path: str):
-        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+    def __init__(self, group: ProcessGroup | None, path: str, pids: list[int]):
+        self.rank, self.size, self.pids = dist.get_rank(group), dist.get_world_size(group), pids
         data_bytes = 2 * self.size * SLOT_BYTES
         mapped = torch.from_file(path, shared=True, size=data_bytes + 8 * self.size, dtype=torch.uint8)
         self.data = mapped[:data_bytes].view(2, self.size, SLOT_BYTES)  # (set, rank, bytes)
@@ -104,39 +107,67 @@ class _Channel:
     def _wait_for_peers(self) -> None:
         """Poll the flags, yielding the core, while the peers are close behind; then sleep in
         growing naps, so ranks that outnumber the cores (tests, tp x pp on a laptop) do not
-        take turns burning them."""
-        polls, nap, deadline = 0, MIN_NAP_S / 2, None
+        take turns burning them, and look every LIVENESS_CHECK_S whether a late peer's process
+        still exists (gloo's TCP would fail at once when a peer dies; this says so too)."""
+        polls, nap, started, checked = 0, MIN_NAP_S / 2, None, 0.0
         while int(self.flags.min()) < self.calls:
             polls += 1
             if polls <= FAST_POLLS:
                 os.sched_yield()
                 continue
-            if deadline is None:
-                deadline = time.monotonic() + WAIT_TIMEOUT_S
-            elif time.monotonic() > deadline:
-                late = [self.peers[i] for i, f in enumerate(self.flags.tolist()) if f < self.calls]
-                raise RuntimeError(f"shared-memory collective #{self.calls}: rank(s) {late} did not arrive "
-                                   f"within {WAIT_TIMEOUT_S:.0f} s (a peer died or runs other collectives); "
-                                   f"{ENV_SWITCH}=0 uses the process group's own collectives")
+            now = time.monotonic()
+            started = now if started is None else started
+            if now - checked > LIVENESS_CHECK_S:
+                checked = now
+                late = [i for i, f in enumerate(self.flags.tolist()) if f < self.calls]
+                dead = [f"{self.peers[i]} (pid {self.pids[i]})" for i in late if not _alive(self.pids[i])]
+                if dead or now - started > WAIT_TIMEOUT_S:
+                    what = f"rank(s) {', '.join(dead)} exited" if dead else (
+                        f"rank(s) {[self.peers[i] for i in late]} did not arrive within {WAIT_TIMEOUT_S:.0f} s "
+                        "(a peer hangs or runs other collectives)")
+                    raise RuntimeError(f"shared-memory collective #{self.calls}: {what}; "
+                                       f"{ENV_SWITCH}=0 uses the process group's own collectives")
             nap = min(MAX_NAP_S, nap * 2)
             time.sleep(nap)
 
 
+def _alive(pid: int) -> bool:
+    """Whether process `pid` on this host still runs (an exited, unreaped one does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # state after "(comm)"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+
 def _open(group: ProcessGroup | None) -> _Channel | None:
-    """The group's channel, made collectively on its first use; None where it cannot be used."""
-    hosts = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    if len(set(hosts)) != 1:
-        return None
-    name = [os.path.join(_shm_dir(), f"polytrain-all-reduce-{uuid.uuid4().hex}")]
-    dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    """The group's channel, made collectively on its first use; None where it cannot be used:
+    ranks on several hosts, or processes that do not share /dev/shm or see each other's pids
+    (containers with one host name)."""
     size = dist.get_world_size(group)
+    peers = [None] * size
+    dist.all_gather_object(peers, (socket.gethostname(), os.getpid()), group=group)
+    if len({host for host, _ in peers}) != 1:
+        return None
+    pids = [pid for _, pid in peers]
+    name = [os.path.join(_shm_dir(), f"polytrain-collectives-{uuid.uuid4().hex}")]
+    dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     if dist.get_rank(group) == 0:
         with open(name[0], "wb") as f:
             f.truncate(2 * size * SLOT_BYTES + 8 * size)  # zero flags: no call has happened
     dist.barrier(group=group)
-    channel = _Channel(group, name[0])
-    dist.barrier(group=group)  # every rank has it mapped: the name can go
+    sees = [None] * size
+    dist.all_gather_object(sees, os.path.exists(name[0]) and all(map(_alive, pids)), group=group)
+    channel = _Channel(group, name[0], pids) if all(sees) else None
+    dist.barrier(group=group)  # every rank has it mapped (or none will): the name can go
     if dist.get_rank(group) == 0:
         os.unlink(name[0])
     return channel

@@ -64,17 +64,48 @@ def _check(rank: int, world_size: int) -> None:
         assert host_collectives._channels[key].calls >= 6 * len(cases)  # it went through shared memory
     ints = torch.arange(6) * (rank + 1)
     assert torch.equal(all_reduce(ints, None), torch.arange(6) * sum(range(1, world_size + 1)))  # gloo's
-    assert not glob.glob(os.path.join(host_collectives._shm_dir(), "polytrain-all-reduce-*"))  # unlinked
+    assert not glob.glob(os.path.join(host_collectives._shm_dir(), "polytrain-collectives-*"))  # unlinked
     os.environ[host_collectives.ENV_SWITCH] = "0"
     assert not host_collectives.usable(torch.ones(3), None)
     del os.environ[host_collectives.ENV_SWITCH]
     dist.barrier()
-    if rank == 0:  # rank 1 never joins this call
+    if rank < 2:  # opens the channel on ranks 0 and 1, sums nothing
+        host_collectives.all_reduce_(torch.ones(0), abandoned)
+    if rank == 0:  # rank 1 never joins these calls
+        channel = host_collectives._channels[abandoned]
+        live_pid, channel.pids[1] = channel.pids[1], _exited_pid()
+        with pytest.raises(RuntimeError, match=rf"rank\(s\) 1 \(pid {channel.pids[1]}\) exited"):
+            host_collectives.all_reduce_(torch.ones(4), abandoned)
+        channel.pids[1] = live_pid
         host_collectives.WAIT_TIMEOUT_S = 0.5
         with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] did not arrive"):
             host_collectives.all_reduce_(torch.ones(4), abandoned)
-    elif rank == 1:
-        host_collectives.all_reduce_(torch.ones(0), abandoned)  # opens the channel with rank 0, sums nothing
+    dist.barrier()  # rank 1 lives (and waits in gloo) until rank 0 is done
+
+
+def _exited_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    import subprocess
+    import sys
+
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    return done.pid
+
+
+def test_a_zombie_is_not_alive():
+    import subprocess
+    import sys
+    import time
+
+    assert host_collectives._alive(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while host_collectives._alive(child.pid) and time.monotonic() < deadline:  # exited, not yet reaped
+        time.sleep(0.01)
+    assert not host_collectives._alive(child.pid)
+    child.wait()
+    assert not host_collectives._alive(child.pid)
 
 
 def test_shared_memory_collectives_match_gloo():
