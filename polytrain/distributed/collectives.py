@@ -169,7 +169,9 @@ def all_gather(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.T
     stacked = x.new_empty((n, *x.shape))  # (n, ..., s, ...): one contiguous slot per rank
     if _counters:
         record("all_gather", (n - 1) / n * _nbytes(stacked), _group_peers(group))
-    dist.all_gather_single(stacked.view(-1), x.contiguous().view(-1), group=group)
+    flat = x.contiguous().view(-1)
+    if not (host_collectives.usable(flat, group) and host_collectives.all_gather_(stacked.view(-1), flat, group)):
+        dist.all_gather_single(stacked.view(-1), flat, group=group)
     dim = dim % x.dim()
     return stacked.movedim(0, dim).flatten(dim, dim + 1)  # (..., n, s, ...) -> (..., n*s, ...)
 
