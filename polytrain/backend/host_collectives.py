@@ -1,8 +1,8 @@
 """All-reduce and all-gather through shared memory for process groups whose ranks share one host.
 
 Tensor parallelism all-reduces activations several times per layer; ZeRO reduces gradient
-buckets and gathers parameters every step. Between processes of one machine, gloo moves every byte over TCP loopback, with its own threads doing the
-copies: a (2048, 384) fp32 sum between 2 ranks takes 3.9 ms (median) on this project's
+buckets and gathers parameters every step. Between processes of one machine, gloo moves
+every byte over TCP loopback, with its own threads doing the copies: a (2048, 384) fp32 sum between 2 ranks takes 3.9 ms (median) on this project's
 2-core machine, where writing it to shared memory, waiting for the peer's flag and adding
 the peer's copy takes about 1 ms. Each group gets one mapped buffer (2 sets x n ranks x
 `SLOT_BYTES`) and an int64 flag per rank:
@@ -178,16 +178,17 @@ def _shm_dir() -> str:
 
 
 def usable(x: torch.Tensor, group: ProcessGroup | None) -> bool:
-    """Whether `all_reduce_` / `all_gather_` may take this call (the same answer on every rank of the group)."""
+    """Whether the shared path may take this call (the same answer on every rank of the group)."""
     return (_X86 and x.device.type == "cpu" and x.is_floating_point() and x.is_contiguous()
             and not torch.compiler.is_compiling() and os.environ.get(ENV_SWITCH, "1") != "0"
             and dist.get_world_size(group) > 1)
 
 
 def all_reduce_(x: torch.Tensor, group: ProcessGroup | None) -> bool:
-    """Sum `x` over `group` in place through shared memory; False (nothing done) where the group's
-    ranks are on several hosts. Call only where `usable(x, group)`; collective: every rank calls it."""
-    channel = _channel(group)
+    """Sum `x` over `group` in place through shared memory; False (nothing done) where this call
+    or group cannot take the shared path (`usable`, ranks on several hosts): the caller then uses
+    the process group. Collective: every rank of the group calls it."""
+    channel = _channel(group) if usable(x, group) else None
     if channel is None:
         return False
     channel.all_reduce_(x)
@@ -196,8 +197,8 @@ def all_reduce_(x: torch.Tensor, group: ProcessGroup | None) -> bool:
 
 def all_gather_(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | None) -> bool:
     """Gather every rank's `x` (S,) into contiguous `out` (n * S,) through shared memory; False
-    (nothing done) as `all_reduce_`. Call only where `usable(x, group)`; collective."""
-    channel = _channel(group)
+    (nothing done) as `all_reduce_`. Collective."""
+    channel = _channel(group) if usable(x, group) else None
     if channel is None:
         return False
     channel.all_gather_(out, x)

@@ -132,16 +132,10 @@ def all_reduce(x: torch.Tensor, group: ProcessGroup | None,
         return out
     if _counters:
         record("all_reduce", 2 * (n - 1) / n * _nbytes(x), _group_peers(group))
-    if op == dist.ReduceOp.SUM and _host_all_reduce(out, group):
+    if op == dist.ReduceOp.SUM and host_collectives.all_reduce_(out, group):  # shared memory, at once
         return out
     dist.all_reduce(out, op=op, group=group)
     return out
-
-
-def _host_all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> bool:
-    """Sum x in place through shared memory where the group's ranks share this host (gloo's TCP
-    loopback costs ~4x the time); False: the caller uses the process group."""
-    return host_collectives.usable(x, group) and host_collectives.all_reduce_(x, group)
 
 
 def start_all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> tuple[torch.Tensor, dist.Work | None]:
@@ -156,7 +150,7 @@ def start_all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> tuple[torch
         return out, None
     if _counters:
         record("all_reduce", 2 * (n - 1) / n * _nbytes(x), _group_peers(group))
-    if _host_all_reduce(out, group):
+    if host_collectives.all_reduce_(out, group):
         return out, None
     return out, dist.all_reduce(out, group=group, async_op=True)
 
@@ -170,7 +164,7 @@ def all_gather(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.T
     if _counters:
         record("all_gather", (n - 1) / n * _nbytes(stacked), _group_peers(group))
     flat = x.contiguous().view(-1)
-    if not (host_collectives.usable(flat, group) and host_collectives.all_gather_(stacked.view(-1), flat, group)):
+    if not host_collectives.all_gather_(stacked.view(-1), flat, group):
         dist.all_gather_single(stacked.view(-1), flat, group=group)
     dim = dim % x.dim()
     return stacked.movedim(0, dim).flatten(dim, dim + 1)  # (..., n, s, ...) -> (..., n*s, ...)

@@ -34,7 +34,7 @@ def start_reduce_scatter(send: torch.Tensor, group: dist.ProcessGroup | None, ra
     if group is None:
         return None, send[0]
     if by_all_reduce:
-        if host_collectives.usable(send, group) and host_collectives.all_reduce_(send, group):
+        if host_collectives.all_reduce_(send, group):
             return None, send[rank]
         return dist.all_reduce(send, group=group, async_op=True), send[rank]
     recv = torch.empty(send.shape[1], dtype=send.dtype, device=send.device)
@@ -55,9 +55,7 @@ class AllReduceScatter:
                  group: dist.ProcessGroup, op: dist.ReduceOp, async_op: bool = False) -> None:
         if async_op:
             raise NotImplementedError("AllReduceScatter runs synchronously, as FSDP2 calls it")
-        summed = (op == dist.ReduceOp.SUM and host_collectives.usable(input_tensor, group)
-                  and host_collectives.all_reduce_(input_tensor, group))
-        if not summed:
+        if not (op == dist.ReduceOp.SUM and host_collectives.all_reduce_(input_tensor, group)):
             dist.all_reduce(input_tensor, op=op, group=group)
         rows = input_tensor.view(group.size(), -1)  # (dp, S)
         output_tensor.copy_(rows[dist.get_rank(group)])
@@ -72,7 +70,6 @@ class HostAllGather:
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
-        if host_collectives.usable(input_tensor, group) and host_collectives.all_gather_(
-                output_tensor, input_tensor, group):
+        if host_collectives.all_gather_(output_tensor, input_tensor, group):
             return None
         return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)

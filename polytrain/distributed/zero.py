@@ -372,7 +372,7 @@ class ZeroDataParallel:
         if self.group is None:
             out.copy_(inp)
             return None
-        if host_collectives.usable(inp, self.group) and host_collectives.all_gather_(out, inp, self.group):
+        if host_collectives.all_gather_(out, inp, self.group):
             return None  # done at once through shared memory
         return dist.all_gather_single(out, inp, group=self.group, async_op=True)
 
