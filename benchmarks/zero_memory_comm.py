@@ -47,6 +47,7 @@ import torch.distributed.distributed_c10d as c10d
 from torch.distributed.tensor import DTensor
 
 from polytrain.backend import host_collectives
+from polytrain.distributed.reduce_scatter import buffers_sent
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.multirank is not installed
 from tests.multirank import run_ranks
@@ -148,6 +149,7 @@ FUNCOL = {
 }
 HOST = {  # polytrain's shared-memory path (backend/host_collectives.py): counted when it ran
     "all_reduce_": ("x", "all_reduce"),
+    "reduce_scatter_": ("x", "whole"),
     "all_gather_": ("out", "whole"),
 }
 SENT_SHARE = {"all_reduce": lambda n: 2 * (n - 1) / n,
@@ -378,7 +380,8 @@ def _stage(zero: int, world_size: int, opts: dict, work: str) -> dict:
     result = {"zero": zero, "nproc": world_size, "psi": psi, "psi_root": psi_root, "psi_last": psi_last,
               "memory": memory, "live_peak": probe.peak, "live_points": probe.points,
               "comm_model": comm.total("model"), "comm_small": comm.total("small"),
-              "collectives": comm.calls, "peak_rss_mib": rss_mib(), "rss_start_mib": rss_start}
+              "collectives": comm.calls, "peak_rss_mib": rss_mib(), "rss_start_mib": rss_start,
+              "reduce_psi": buffers_sent(None, trainer.runtime.acc.reduce_scatter_by_all_reduce)}
     trainer.close()
     return result
 
@@ -413,9 +416,6 @@ def _measure(rank: int, world_size: int, opts: dict, work: str) -> dict[str, lis
 
 def summarise(per_rank: list[dict[str, list[dict]]], opts: dict) -> list[dict]:
     """One row per stage: the largest rank's figures (it bounds memory) and the spread."""
-    from polytrain.backend import get_accelerator
-
-    reduce_psi = 2 if get_accelerator().reduce_scatter_by_all_reduce else 1
     gather_bytes = 2 if opts["precision"] == "bf16" else 4
     rows = []
     deepspeed = list(zip(*[r["deepspeed"] for r in per_rank])) or [None] * len(per_rank[0]["polytrain"])
@@ -426,7 +426,7 @@ def summarise(per_rank: list[dict[str, list[dict]]], opts: dict) -> list[dict]:
         psi = first["psi"]
         theory_mem = THEORY[opts["precision"]][first["zero"]][1](n) * psi
         expected = expected_comm(first["zero"], n, opts["accum"], psi, first["psi_root"] + first["psi_last"],
-                                 gather_bytes, reduce_psi)
+                                 gather_bytes, first["reduce_psi"])
         row = {
             **first, "memory_by_rank": [r["memory"] for r in stage],
             "memory": max((r["memory"] for r in stage), key=lambda m: sum(m.values())),
@@ -453,7 +453,7 @@ def report(args: argparse.Namespace, rows: list[dict], ds_version: str | None) -
     from polytrain.backend import get_accelerator
 
     psi, psi_root, psi_last = rows[0]["psi"], rows[0]["psi_root"], rows[0]["psi_last"]
-    by_all_reduce = get_accelerator().reduce_scatter_by_all_reduce
+    by_all_reduce = rows[0]["reduce_psi"] == 2
     command = " ".join(["python benchmarks/zero_memory_comm.py", *sys.argv[1:]])
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     ds = f", deepspeed {ds_version}" if ds_version else ""
@@ -501,7 +501,7 @@ def report(args: argparse.Namespace, rows: list[dict], ds_version: str | None) -
          "gather runs: on a small model that is much of DeepSpeed's excess over the theory."),
         ("Communication (polytrain): gradients are reduced in fp32 "
          + ("as an all-reduce (this backend's reduce-scatter is slower: twice the bytes)" if by_all_reduce
-            else "by reduce-scatter")
+            else "by reduce-scatter (through shared memory between ranks of one host)")
          + f", parameters gathered in {'16' if args.precision == 'bf16' else '32'} bits; zero 0 all-reduces "
          "once per step, ZeRO-1 reduces once, ZeRO-2 every micro-batch, ZeRO-3 all-gathers each unit "
          f"in forward and again in backward except the root ({psi_root:,} parameters: embedding, final "

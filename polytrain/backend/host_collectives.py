@@ -1,4 +1,4 @@
-"""All-reduce and all-gather through shared memory for process groups whose ranks share one host.
+"""All-reduce, reduce-scatter and all-gather through shared memory for process groups whose ranks share one host.
 
 Tensor parallelism all-reduces activations several times per layer; ZeRO reduces gradient
 buckets and gathers parameters every step. Between processes of one machine, gloo moves
@@ -11,8 +11,8 @@ the peer's copy takes about 1 ms. Each group gets one mapped buffer (2 sets x n 
              waits until every flag >= g
              sums slots 0..n-1 of set g % 2 in rank order (every rank gets identical bits)
 
-An all-gather writes its shard the same way and every rank copies the n slots out in rank
-order. Alternating the two sets needs no second wait: a rank writes set g % 2 again at call g + 2,
+A reduce-scatter publishes all n rows the same way and rank r sums only row r of the slots;
+an all-gather publishes its shard and every rank copies the n slots out in rank order. Alternating the two sets needs no second wait: a rank writes set g % 2 again at call g + 2,
 only after every peer's flag reached g + 1, which each set after it finished reading call g.
 Tensors larger than a slot go through in slot-sized pieces (ZeRO's 25 MiB buckets, FSDP2's
 gathered blocks).
@@ -77,32 +77,49 @@ class _Channel:
 
     def all_reduce_(self, x: torch.Tensor) -> None:
         """Sum contiguous `x` over the group in place."""
-        for piece, slots in self._exchange(x.view(-1)):
-            if self.size == 2:
-                torch.add(slots[0], slots[1], out=piece)
-            else:
-                torch.sum(slots, 0, out=piece)
+        pieces = _split(x.view(-1), SLOT_BYTES // x.element_size())
+        for piece, slots in zip(pieces, self._exchange(pieces)):
+            self._sum(slots, piece)
+
+    def reduce_scatter_(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """This rank's row of the sum of every rank's contiguous `x` (n * S,) into `out` (S,).
+
+        Each rank publishes all n rows but sums only its own: 1/n of an all-reduce's additions."""
+        rows = x.view(self.size, -1)  # (n, S)
+        width = max(1, SLOT_BYTES // (self.size * x.element_size()))
+        pieces = [rows[:, start:start + width] for start in range(0, rows.shape[1], width)]  # (n, w) each
+        start = 0
+        for piece, slots in zip(pieces, self._exchange(pieces)):  # slots (ranks, n, w)
+            self._sum(slots[:, self.rank], out[start:start + piece.shape[1]])
+            start += piece.shape[1]
 
     def all_gather_(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """Every rank's contiguous `x` (S,) into `out` (n * S,), in group-rank order."""
         rows = out.view(self.size, -1)  # (n, S)
+        pieces = _split(x.view(-1), SLOT_BYTES // x.element_size())
         start = 0
-        for piece, slots in self._exchange(x.view(-1)):
+        for piece, slots in zip(pieces, self._exchange(pieces)):
             rows[:, start:start + piece.numel()].copy_(slots)
             start += piece.numel()
 
-    def _exchange(self, flat: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """For each slot-sized piece of `flat`: publish it, wait for every peer's, and yield
-        (this rank's piece, every rank's (n, piece numel)) to be read before the next piece."""
-        step = SLOT_BYTES // flat.element_size()
-        for start in range(0, flat.numel(), step):
-            piece = flat[start:start + step]
+    def _sum(self, slots: torch.Tensor, out: torch.Tensor) -> None:
+        """out = slots[0] + ... + slots[n - 1], added in rank order (the same bits on every rank)."""
+        if self.size == 2:
+            torch.add(slots[0], slots[1], out=out)
+        else:
+            torch.sum(slots, 0, out=out)
+
+    def _exchange(self, pieces: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+        """For each piece (at most a slot's bytes): publish it, wait for every peer's, and yield
+        every rank's copy, (n, *piece.shape), to be read before the next piece."""
+        for piece in pieces:
             self.calls += 1
-            slots = self.data[self.calls % 2, :, :piece.numel() * flat.element_size()].view(flat.dtype)
+            nbytes = piece.numel() * piece.element_size()
+            slots = self.data[self.calls % 2, :, :nbytes].view(piece.dtype).view(self.size, *piece.shape)
             slots[self.rank].copy_(piece)
             self.flags[self.rank] = self.calls
             self._wait_for_peers()
-            yield piece, slots
+            yield slots
 
     def _wait_for_peers(self) -> None:
         """Poll the flags, yielding the core, while the peers are close behind; then sleep in
@@ -129,6 +146,10 @@ class _Channel:
                                        f"{ENV_SWITCH}=0 uses the process group's own collectives")
             nap = min(MAX_NAP_S, nap * 2)
             time.sleep(nap)
+
+
+def _split(flat: torch.Tensor, step: int) -> list[torch.Tensor]:
+    return [flat[start:start + step] for start in range(0, flat.numel(), step)]
 
 
 def _alive(pid: int) -> bool:
@@ -184,6 +205,12 @@ def usable(x: torch.Tensor, group: ProcessGroup | None) -> bool:
             and dist.get_world_size(group) > 1)
 
 
+def shared(group: ProcessGroup | None) -> bool:
+    """Whether `group`'s floating host tensors go through shared memory (collective the first
+    time a group is asked or used)."""
+    return usable(torch.empty(1), group) and _channel(group) is not None
+
+
 def all_reduce_(x: torch.Tensor, group: ProcessGroup | None) -> bool:
     """Sum `x` over `group` in place through shared memory; False (nothing done) where this call
     or group cannot take the shared path (`usable`, ranks on several hosts): the caller then uses
@@ -202,6 +229,16 @@ def all_gather_(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | None) 
     if channel is None:
         return False
     channel.all_gather_(out, x)
+    return True
+
+
+def reduce_scatter_(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | None) -> bool:
+    """Sum every rank's contiguous `x` (n * S,) and leave this rank's row r, x[r*S:(r+1)*S]
+    summed, in `out` (S,), through shared memory; False (nothing done) as `all_reduce_`. Collective."""
+    channel = _channel(group) if usable(x, group) else None
+    if channel is None:
+        return False
+    channel.reduce_scatter_(out, x)
     return True
 
 

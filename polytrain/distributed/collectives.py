@@ -188,7 +188,8 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> tor
     if group_size(group) == 1:
         return x.clone()
     blocks, out = _reduce_scatter_buffers(x, dim, group)
-    dist.reduce_scatter_single(out.view(-1), blocks.view(-1), group=group)
+    if not host_collectives.reduce_scatter_(out.view(-1), blocks.view(-1), group):
+        dist.reduce_scatter_single(out.view(-1), blocks.view(-1), group=group)
     return out
 
 
@@ -198,6 +199,8 @@ def start_reduce_scatter(x: torch.Tensor, dim: int,
     if group_size(group) == 1:
         return x.clone(), None
     blocks, out = _reduce_scatter_buffers(x, dim, group)
+    if host_collectives.reduce_scatter_(out.view(-1), blocks.view(-1), group):
+        return out, None
     return out, dist.reduce_scatter_single(out.view(-1), blocks.view(-1), group=group, async_op=True)
 
 

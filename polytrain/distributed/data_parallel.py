@@ -47,7 +47,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from polytrain.config import TrainConfig
-from polytrain.distributed.reduce_scatter import AllReduceScatter, HostAllGather
+from polytrain.distributed.reduce_scatter import HostReduceScatter, HostAllGather
 from polytrain.distributed.runtime import Runtime
 from polytrain.optim.builder import build_optimizer
 from polytrain.optim.clip import clip_coefficient, global_norm, squared_norm_share
@@ -88,7 +88,7 @@ def shard_unit(module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool,
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
                 mp_policy=mp if param_dtype != torch.float32 else MixedPrecisionPolicy(), offload_policy=policy)
     if reduce_by_all_reduce:  # the host backend: its collectives also have a shared-memory path
-        module.set_custom_reduce_scatter(AllReduceScatter())
+        module.set_custom_reduce_scatter(HostReduceScatter())
         module.set_custom_all_gather(HostAllGather())
     return module
 
