@@ -26,6 +26,7 @@ applies the loss itself), return their input and score it through `loss(hidden, 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -66,7 +67,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, chunk: int, make_grads: bool, vocab_start: int, group) -> torch.Tensor:
+                targets: torch.Tensor, chunk: int, make_grads: bool, vocab_start: int, group,
+                compile_backend: str | None) -> torch.Tensor:
         # hidden (N, D), weight (V_local, D) = vocabulary rows [vocab_start, vocab_start + V_local)
         # (all of them without a group), bias (V_local,) or None, targets (N,) with IGNORE_INDEX holes.
         # Matmuls follow the surrounding autocast (as F.linear and autograd's own backward
@@ -91,32 +93,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
         bias_low = bias.to(low_dtype) if bias is not None else None
         # fp16's 5 exponent bits need a per-chunk scale (bf16 and fp32 have fp32's range).
         weight_bound = 2 * weight_low.abs().amax().float() if low_dtype == torch.float16 and n_local else None
+        lse_of, grad_of = _kernels(compile_backend)
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
             h, t, keep, hit = hidden[rows].to(low_dtype), safe_targets[rows, None], scored[rows], mine[rows]
-            logits = F.linear(h, weight_low, bias_low).float()  # (C, V_local)
-            lse = torch.logsumexp(logits, dim=-1)  # (C,); -inf for an empty vocabulary shard
+            logits = F.linear(h, weight_low, bias_low)  # (C, V_local) in the matmul dtype
+            lse, target = lse_of(logits, t, hit)  # (C,) -inf for an empty vocabulary shard; ()
             if group is not None:  # the whole vocabulary's, from every rank's (tp, C)
                 lse = torch.logsumexp(all_gather(lse, 0, group).view(-1, lse.shape[0]), dim=0)
             lse_sum += (lse * keep).sum()
-            if n_local:
-                target_sum += (logits.gather(1, t).squeeze(1) * hit).sum()
+            target_sum += target
             if not (want_h or want_w or want_b):
                 continue
-            # d(summed loss) / d logits = softmax - one_hot(target), 0 on unscored rows, in
-            # [-1, 1]. In fp16, times a power of two S that lifts small probabilities (a 32K
-            # vocabulary's are ~3e-5) as far as the matmuls allow without overflow; exact to undo.
-            # Each tp rank picks its own S: it only scales that rank's partial sums.
-            grad = logits.sub_(lse[:, None]).exp_()
-            if n_local:
-                grad.scatter_add_(1, t, hit[:, None].to(grad.dtype).neg_())
-            grad.mul_(keep[:, None])
-            if want_b:
-                grad_b += grad.sum(0)
+            # fp16's gradient matmuls need a power-of-two scale S (see grad_of); each tp rank
+            # picks its own: it only scales that rank's partial sums.
             scale = fp16_grad_scale(h, weight_bound) if weight_bound is not None else None
-            if scale is not None:
-                grad.mul_(scale)
-            grad = grad.to(low_dtype)  # the gradient matmuls run in the forward's dtype
+            grad, bias_sum = grad_of(logits, lse, t, hit, keep, scale, want_b)  # (C, V_local) low, (V_local,)
+            if want_b:
+                grad_b += bias_sum
             if want_h:
                 grad_h[rows] = (grad @ weight_low).float().div_(count if scale is None else count * scale)
             if want_w:
@@ -137,25 +131,67 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return (grad_h * grad_loss.to(grad_h.dtype) if grad_h is not None else None,
                 (grad_w * grad_loss).to(w_dtype) if grad_w is not None else None,
                 (grad_b * grad_loss).to(b_dtype) if grad_b is not None else None,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          targets: torch.Tensor, chunk: int | None = None, *, vocab_start: int = 0,
-                         group=None) -> torch.Tensor:
+                         group=None, compile_backend: str | None = None) -> torch.Tensor:
     """Mean cross-entropy of `hidden @ weight.T + bias` against `targets`, chunk tokens at a time.
 
     hidden (..., D), targets (...) with -100 = not scored; equals
     F.cross_entropy(F.linear(hidden, weight, bias).float(), targets) and its gradients.
     With a tensor-parallel `group`, `weight` and `bias` are this rank's vocabulary rows from
     `vocab_start`, the hidden states' gradient is this rank's part, and every rank must pass
-    the same `chunk` (one all-gather per chunk).
+    the same `chunk` (one all-gather per chunk). `compile_backend` (train.compile) runs each
+    chunk's softmax and its gradient as two compiled kernels, each one pass over the chunk's logits.
     """
     hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, D)
     if chunk is None:
         chunk = chunk_tokens(hidden.shape[0], hidden.shape[1], weight.shape[0])
     return _LinearCrossEntropy.apply(hidden, weight, bias, targets.reshape(-1), chunk,
-                                     torch.is_grad_enabled(), vocab_start, group)
+                                     torch.is_grad_enabled(), vocab_start, group, compile_backend)
+
+
+def _chunk_lse(logits: torch.Tensor, t: torch.Tensor, hit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's log-sum-exp per token and the sum of its target logits held here, in fp32.
+
+    logits (C, V_local) in the matmul dtype; t (C, 1) local target rows (0 where not `hit`);
+    hit (C,) whether the token's target is one of this rank's rows. Returns (C,), ()."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    if not logits.shape[1]:
+        return lse, logits.new_zeros(())
+    return lse, (logits.gather(1, t).squeeze(1) * hit).sum()
+
+
+def _chunk_grad(logits: torch.Tensor, lse: torch.Tensor, t: torch.Tensor, hit: torch.Tensor,
+                keep: torch.Tensor, scale: torch.Tensor | None,
+                want_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """d(summed loss) / d logits = softmax - one_hot(target), 0 on unscored rows (`keep` false),
+    in the matmul dtype for the gradient matmuls; and its column sums (the bias gradient) in fp32.
+
+    Entries lie in [-1, 1]; in fp16 they are multiplied by the power of two `scale`, which
+    lifts small probabilities (a 32K vocabulary's are ~3e-5) as far as the matmuls allow
+    without overflow (exact to undo). lse (C,) is the whole vocabulary's log-sum-exp."""
+    lse = torch.where(keep, lse, torch.inf)  # exp(logit - inf) = 0: unscored rows vanish
+    grad = logits.float().sub_(lse[:, None]).exp_()  # (C, V_local) fp32; fp32 logits are reused in place
+    if grad.shape[1]:
+        grad.scatter_add_(1, t, hit[:, None].to(grad.dtype).neg_())
+    bias_sum = grad.sum(0) if want_bias else None
+    if scale is not None:
+        grad.mul_(scale)
+    return grad.to(logits.dtype), bias_sum
+
+
+@functools.cache
+def _kernels(compile_backend: str | None):
+    """(_chunk_lse, _chunk_grad), eager or compiled with `compile_backend` (static shapes: a
+    step has at most two chunk sizes, the full one and the last)."""
+    if compile_backend is None:
+        return _chunk_lse, _chunk_grad
+    return (torch.compile(_chunk_lse, backend=compile_backend, dynamic=False),
+            torch.compile(_chunk_grad, backend=compile_backend, dynamic=False))
 
 
 class ScoringHead:
@@ -168,6 +204,8 @@ class ScoringHead:
 
     targets: torch.Tensor | None = None
     deferred: bool = False
+    compile_backend: str | None = None
+    """Set (train.compile): the loss's per-chunk kernels are compiled with this torch.compile backend."""
 
     @contextmanager
     def scoring(self, targets: torch.Tensor) -> Iterator[None]:

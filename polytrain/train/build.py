@@ -42,7 +42,7 @@ from polytrain.distributed.tensor_parallel import Context, parallelize_model
 from polytrain.errors import ConfigError
 from polytrain.lora import adapter_parameter_count, apply_lora
 from polytrain.models import ARCHITECTURES
-from polytrain.train.compiled import CompileTimer, compile_blocks
+from polytrain.train.compiled import CompileTimer, compile_blocks, compiled_backend
 from polytrain.train.loss import (
     ContextParallelLoss,
     ModelLoss,
@@ -135,7 +135,7 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
         compiled += compile_blocks(stage) if cfg.train.compile else 0  # tp inside, recomputation around
         apply_activation_checkpointing(stage, cfg.train.activation_checkpoint)
     timer = CompileTimer.started(compiled) if cfg.train.compile else None  # dp's hooks stay outside
-    head = scoring_head(stages, pipeline) if chunked else None
+    head = scoring_head(stages, pipeline, compiled_backend() if cfg.train.compile else None) if chunked else None
     dtype = AUTOCAST[cfg.train.precision]
     # 16-bit compute weights and gradients over fp32 masters, or fp32 throughout.
     param_dtype = param_dtype_of(cfg.train)

@@ -39,7 +39,8 @@ class LossHead(ScoringHead, nn.Linear):
 
     def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean loss of hidden (B, T, D) against targets (B, T)."""
-        return linear_cross_entropy(hidden, self.weight, self.bias, targets)
+        return linear_cross_entropy(hidden, self.weight, self.bias, targets,
+                                    compile_backend=self.compile_backend)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         scored = self.scored_forward(hidden)

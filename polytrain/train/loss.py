@@ -2,7 +2,7 @@
 
     chunked = attach_loss_head(meta_model, cfg.train, dims)     # before the pipeline split
     ... split, parallelize ...
-    head = scoring_head(stages, pipeline) if chunked else None   # after tensor parallelism
+    head = scoring_head(stages, pipeline, backend) if chunked else None   # after tensor parallelism
     loss = ModelLoss(logits_loss_for(tp_ctx, vocab_size), head)
     value = loss(model, args, targets)                           # a micro-batch's mean loss
 
@@ -53,14 +53,16 @@ def attach_loss_head(model: nn.Module, t: TrainConfig, dims: ParallelDims) -> bo
     return True
 
 
-def scoring_head(stages: dict[str, nn.Module], pipeline) -> ScoringHead | None:
+def scoring_head(stages: dict[str, nn.Module], pipeline, compile_backend: str | None) -> ScoringHead | None:
     """The parallelized head of the stage holding it (None on a pipeline rank without the last
-    stage); on a pipeline it is deferred: the schedule's loss calls it on the stage's output."""
+    stage); on a pipeline it is deferred: the schedule's loss calls it on the stage's output.
+    `compile_backend` (train.compile): the head's per-chunk softmax kernels are compiled with it."""
     last = str(pipeline.num_stages - 1) if pipeline else ""
     if last not in stages:
         return None
     head = stages[last].output  # a LossHead, or tp's VocabParallelHead made from it
     head.deferred = pipeline is not None
+    head.compile_backend = compile_backend
     return head
 
 

@@ -48,6 +48,21 @@ def test_loss_and_gradients_equal_the_plain_path(bias, chunk):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_compiled_kernels_match_the_plain_path(autocast):
+    """train.compile's per-chunk kernels (inductor): the plain path's loss and gradients, with a
+    bias, unscored tokens and an uneven last chunk (two chunk shapes)."""
+    inputs = _inputs(bias=True, seed=3)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        want_loss, want_grads = _loss_and_grads(_plain, *inputs)
+        got_loss, got_grads = _loss_and_grads(
+            lambda *a: linear_cross_entropy(*a, chunk=128, compile_backend="inductor"), *inputs)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=0)
+    for got, want in zip(got_grads, want_grads):
+        tolerance = 2e-2 if autocast else 1e-5
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance * want.abs().max().item())
+
+
 def test_under_bf16_autocast_matches_the_plain_path_to_bf16_precision():
     inputs = _inputs(bias=True, seed=1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -120,7 +135,8 @@ def test_training_with_and_without_chunked_loss_follows_the_same_curve(model_arg
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
 
 
-def test_fp16_gradients_keep_small_probabilities():
+@pytest.mark.parametrize("compile_backend", [None, "inductor"])
+def test_fp16_gradients_keep_small_probabilities(compile_backend):
     # Half the vocabulary is e^-9 less likely: probabilities ~2.4e-7, a few fp16 subnormal
     # steps. Their weight gradients (the whole gradient of those rows) must survive fp16.
     g = torch.Generator().manual_seed(2)
@@ -130,8 +146,9 @@ def test_fp16_gradients_keep_small_probabilities():
     targets = torch.randint(0, 512, (256,), generator=g)
     _, want = _loss_and_grads(_plain, hidden, weight, bias, targets)  # fp32
     with torch.autocast("cpu", dtype=torch.float16):  # fp32 parameters, fp16 matmuls
-        got_loss, got = _loss_and_grads(lambda *a: linear_cross_entropy(*a, chunk=128),
-                                        hidden, weight, bias, targets)
+        got_loss, got = _loss_and_grads(
+            lambda *a: linear_cross_entropy(*a, chunk=128, compile_backend=compile_backend),
+            hidden, weight, bias, targets)
     assert torch.isfinite(got_loss)
     rare = slice(512, None)
     for got_grad, want_grad in (got[1][rare], want[1][rare]), (got[2][rare], want[2][rare]):

@@ -168,7 +168,8 @@ class VocabParallelHead(ScoringHead, nn.Module):
         chunk = chunk_tokens(hidden.numel() // self.in_features, self.in_features,
                              max(shard_sizes(self.out_features, self.ctx.size)))
         return linear_cross_entropy(hidden, self.weight.to_local(), bias, targets, chunk,
-                                    vocab_start=self.vocab_start, group=self.ctx.group)
+                                    vocab_start=self.vocab_start, group=self.ctx.group,
+                                    compile_backend=self.compile_backend)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         scored = self.scored_forward(h)
