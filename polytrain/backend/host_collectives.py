@@ -1,10 +1,10 @@
-"""All-reduce, reduce-scatter and all-gather through shared memory for process groups whose ranks share one host.
+"""All-reduce, reduce-scatter and all-gather through shared memory, between the ranks of one host.
 
 Tensor parallelism all-reduces activations several times per layer; ZeRO reduces gradient
 buckets and gathers parameters every step. Between processes of one machine, gloo moves
-every byte over TCP loopback, with its own threads doing the copies: a (2048, 384) fp32 sum between 2 ranks takes 3.9 ms (median) on this project's
-2-core machine, where writing it to shared memory, waiting for the peer's flag and adding
-the peer's copy takes about 1 ms. Each group gets one mapped buffer (2 sets x n ranks x
+every byte over TCP loopback, with its own threads doing the copies: a (2048, 384) fp32 sum
+between 2 ranks takes 3.9 ms (median) on this project's 2-core machine, where writing it to
+shared memory, waiting for the peer's flag and adding the peer's copy takes about 1 ms. Each group gets one mapped buffer (2 sets x n ranks x
 `SLOT_BYTES`) and an int64 flag per rank:
 
     call g:  rank r copies its tensor into set g % 2, slot r; writes flag[r] = g
@@ -12,7 +12,8 @@ the peer's copy takes about 1 ms. Each group gets one mapped buffer (2 sets x n 
              sums slots 0..n-1 of set g % 2 in rank order (every rank gets identical bits)
 
 A reduce-scatter publishes all n rows the same way and rank r sums only row r of the slots;
-an all-gather publishes its shard and every rank copies the n slots out in rank order. Alternating the two sets needs no second wait: a rank writes set g % 2 again at call g + 2,
+an all-gather publishes its shard and every rank copies the n slots out in rank order.
+Alternating the two sets needs no second wait: a rank writes set g % 2 again at call g + 2,
 only after every peer's flag reached g + 1, which each set after it finished reading call g.
 Tensors larger than a slot go through in slot-sized pieces (ZeRO's 25 MiB buckets, FSDP2's
 gathered blocks).
@@ -84,7 +85,9 @@ class _Channel:
     def reduce_scatter_(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """This rank's row of the sum of every rank's contiguous `x` (n * S,) into `out` (S,).
 
-        Each rank publishes all n rows but sums only its own: 1/n of an all-reduce's additions."""
+        Each rank publishes all n rows but sums only its own: 1/n of an all-reduce's additions.
+        `out` may be x's own row (ZeRO's buckets reduce in place): a piece's columns are all
+        published before its part of `out` is written, and no later piece reads them."""
         rows = x.view(self.size, -1)  # (n, S)
         width = max(1, SLOT_BYTES // (self.size * x.element_size()))
         pieces = [rows[:, start:start + width] for start in range(0, rows.shape[1], width)]  # (n, w) each

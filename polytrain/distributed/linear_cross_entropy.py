@@ -186,12 +186,14 @@ def _chunk_grad(logits: torch.Tensor, lse: torch.Tensor, t: torch.Tensor, hit: t
 
 @functools.cache
 def _kernels(compile_backend: str | None):
-    """(_chunk_lse, _chunk_grad), eager or compiled with `compile_backend` (static shapes: a
-    step has at most two chunk sizes, the full one and the last)."""
+    """(_chunk_lse, _chunk_grad), eager or compiled with `compile_backend`. The full chunk's
+    shape compiles first; a second one (a smaller last chunk, another batch's token count)
+    makes dynamo compile one graph with a dynamic token dimension, so varying lengths (SFT,
+    RLHF) do not recompile at every step."""
     if compile_backend is None:
         return _chunk_lse, _chunk_grad
-    return (torch.compile(_chunk_lse, backend=compile_backend, dynamic=False),
-            torch.compile(_chunk_grad, backend=compile_backend, dynamic=False))
+    return (torch.compile(_chunk_lse, backend=compile_backend),
+            torch.compile(_chunk_grad, backend=compile_backend))
 
 
 class ScoringHead:
