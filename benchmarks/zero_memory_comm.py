@@ -150,6 +150,7 @@ FUNCOL = {
 HOST = {  # polytrain's shared-memory path (backend/host_collectives.py): counted when it ran
     "all_reduce_": ("x", "all_reduce"),
     "reduce_scatter_": ("x", "whole"),
+    "all_to_all_": ("x", "whole"),
     "all_gather_": ("out", "whole"),
 }
 SENT_SHARE = {"all_reduce": lambda n: 2 * (n - 1) / n,

@@ -1,4 +1,5 @@
-"""All-reduce, reduce-scatter and all-gather through shared memory, between the ranks of one host.
+"""All-reduce, reduce-scatter, all-gather and all-to-all through shared memory, between the
+ranks of one host.
 
 Tensor parallelism all-reduces activations several times per layer; ZeRO reduces gradient
 buckets and gathers parameters every step. Between processes of one machine, gloo moves
@@ -12,7 +13,8 @@ shared memory, waiting for the peer's flag and adding the peer's copy takes abou
              sums slots 0..n-1 of set g % 2 in rank order (every rank gets identical bits)
 
 A reduce-scatter publishes all n rows the same way and rank r sums only row r of the slots;
-an all-gather publishes its shard and every rank copies the n slots out in rank order.
+an all-gather publishes its shard and every rank copies the n slots out in rank order; an
+all-to-all publishes all n rows and rank r copies out row r of every slot.
 Alternating the two sets needs no second wait: a rank writes set g % 2 again at call g + 2,
 only after every peer's flag reached g + 1, which each set after it finished reading call g.
 Tensors larger than a slot go through in slot-sized pieces (ZeRO's 25 MiB buckets, FSDP2's
@@ -88,12 +90,17 @@ class _Channel:
         Each rank publishes all n rows but sums only its own: 1/n of an all-reduce's additions.
         `out` may be x's own row (ZeRO's buckets reduce in place): a piece's columns are all
         published before its part of `out` is written, and no later piece reads them."""
-        rows = x.view(self.size, -1)  # (n, S)
-        width = max(1, SLOT_BYTES // (self.size * x.element_size()))
-        pieces = [rows[:, start:start + width] for start in range(0, rows.shape[1], width)]  # (n, w) each
         start = 0
-        for piece, slots in zip(pieces, self._exchange(pieces)):  # slots (ranks, n, w)
+        for piece, slots in zip(*self._column_pieces(x.view(self.size, -1))):  # slots (ranks, n, w)
             self._sum(slots[:, self.rank], out[start:start + piece.shape[1]])
+            start += piece.shape[1]
+
+    def all_to_all_(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """Row j of every rank's contiguous `x` (n, S) to rank j: out[i] (S,) = rank i's x[r]."""
+        rows, received = x.view(self.size, -1), out.view(self.size, -1)  # (n, S) each
+        start = 0
+        for piece, slots in zip(*self._column_pieces(rows)):  # slots (ranks, n, w)
+            received[:, start:start + piece.shape[1]].copy_(slots[:, self.rank])
             start += piece.shape[1]
 
     def all_gather_(self, out: torch.Tensor, x: torch.Tensor) -> None:
@@ -104,6 +111,12 @@ class _Channel:
         for piece, slots in zip(pieces, self._exchange(pieces)):
             rows[:, start:start + piece.numel()].copy_(slots)
             start += piece.numel()
+
+    def _column_pieces(self, rows: torch.Tensor) -> tuple[list[torch.Tensor], Iterator[torch.Tensor]]:
+        """rows (n, S) in (n, w) column pieces of at most a slot's bytes, and their exchange."""
+        width = max(1, SLOT_BYTES // (self.size * rows.element_size()))
+        pieces = [rows[:, start:start + width] for start in range(0, rows.shape[1], width)]
+        return pieces, self._exchange(pieces)
 
     def _sum(self, slots: torch.Tensor, out: torch.Tensor) -> None:
         """out = slots[0] + ... + slots[n - 1], added in rank order (the same bits on every rank)."""
@@ -242,6 +255,16 @@ def reduce_scatter_(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | No
     if channel is None:
         return False
     channel.reduce_scatter_(out, x)
+    return True
+
+
+def all_to_all_(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | None) -> bool:
+    """Rank r's out[i] = rank i's x[r], for contiguous x and out (n, ...) that do not overlap,
+    through shared memory; False (nothing done) as `all_reduce_`. Collective."""
+    channel = _channel(group) if usable(x, group) else None
+    if channel is None:
+        return False
+    channel.all_to_all_(out, x)
     return True
 
 

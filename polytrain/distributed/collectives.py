@@ -241,7 +241,8 @@ def all_to_all(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     out = torch.empty_like(x)
     if _counters:
         record("all_to_all", (n - 1) / n * _nbytes(x), _group_peers(group))
-    dist.all_to_all_single(out, x, group=group)
+    if not host_collectives.all_to_all_(out, x, group):
+        dist.all_to_all_single(out, x, group=group)
     return out
 
 
