@@ -21,10 +21,11 @@ Tensors larger than a slot go through in slot-sized pieces (ZeRO's 25 MiB bucket
 gathered blocks).
 
 Used when every rank of the group runs on this host (checked once per group), the tensor is
-a contiguous host tensor of a floating dtype (an all-reduce: summed), nothing is being compiled, and the
-machine is x86-64: the flag protocol relies on its store order (a store is seen by others
-after the stores before it), which ARM does not promise without fences Python cannot issue.
-Elsewhere, or with POLYTRAIN_SHM_ALL_REDUCE=0 (both collectives), the process group's own run.
+a contiguous host tensor of a floating dtype (an all-reduce: summed), and the machine is
+x86-64: the flag protocol relies on its store order (a store is seen by others after the
+stores before it), which ARM does not promise without fences Python cannot issue. Compiled
+graphs reach it through the operators of host_collective_ops.py. Elsewhere, or with
+POLYTRAIN_SHM_ALL_REDUCE=0 (every collective here), the process group's own run.
 The shared path is synchronous: where the caller would have overlapped an asynchronous gloo
 call with backward (ZeRO-1/2's buckets, tp's input gradients), it gets the result at once,
 and the work a gloo call would have taken from the cores is gone.
@@ -214,10 +215,16 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+def may_share(x: torch.Tensor) -> bool:
+    """Whether a collective of `x` may go through shared memory at all: a floating host tensor
+    on x86-64, the switch on (decided while tracing too: host_collective_ops.py)."""
+    return (_X86 and x.device.type == "cpu" and x.is_floating_point()
+            and os.environ.get(ENV_SWITCH, "1") != "0")
+
+
 def usable(x: torch.Tensor, group: ProcessGroup | None) -> bool:
     """Whether the shared path may take this call (the same answer on every rank of the group)."""
-    return (_X86 and x.device.type == "cpu" and x.is_floating_point() and x.is_contiguous()
-            and not torch.compiler.is_compiling() and os.environ.get(ENV_SWITCH, "1") != "0"
+    return (may_share(x) and x.is_contiguous() and not torch.compiler.is_compiling()
             and dist.get_world_size(group) > 1)
 
 

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from polytrain.backend import host_collectives
+from polytrain.backend import host_collective_ops, host_collectives
 
 # ----- counting -------------------------------------------------------------------------
 
@@ -127,15 +127,23 @@ def all_reduce(x: torch.Tensor, group: ProcessGroup | None,
                op=dist.ReduceOp.SUM) -> torch.Tensor:
     """A new tensor holding the reduction of `x` over `group` (x itself is left alone)."""
     n = group_size(group)
-    out = x.clone(memory_format=torch.contiguous_format)
     if n == 1:
-        return out
+        return x.clone(memory_format=torch.contiguous_format)
     if _counters:
         record("all_reduce", 2 * (n - 1) / n * _nbytes(x), _group_peers(group))
+    if op == dist.ReduceOp.SUM and _traced_host(x):
+        return host_collective_ops.host_all_reduce(x, host_collective_ops.group_name(group))
+    out = x.clone(memory_format=torch.contiguous_format)
     if op == dist.ReduceOp.SUM and host_collectives.all_reduce_(out, group):  # shared memory, at once
         return out
     dist.all_reduce(out, op=op, group=group)
     return out
+
+
+def _traced_host(x: torch.Tensor) -> bool:
+    """Whether a graph being compiled should call the shared-memory operators for `x`
+    (backend/host_collective_ops.py) rather than trace the process group's collective."""
+    return torch.compiler.is_compiling() and host_collectives.may_share(x)
 
 
 def start_all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> tuple[torch.Tensor, dist.Work | None]:
@@ -164,7 +172,10 @@ def all_gather(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.T
     if _counters:
         record("all_gather", (n - 1) / n * _nbytes(stacked), _group_peers(group))
     flat = x.contiguous().view(-1)
-    if not host_collectives.all_gather_(stacked.view(-1), flat, group):
+    if _traced_host(x):
+        name = host_collective_ops.group_name(group)
+        stacked = host_collective_ops.host_all_gather(flat, n, name).view(stacked.shape)
+    elif not host_collectives.all_gather_(stacked.view(-1), flat, group):
         dist.all_gather_single(stacked.view(-1), flat, group=group)
     dim = dim % x.dim()
     return stacked.movedim(0, dim).flatten(dim, dim + 1)  # (..., n, s, ...) -> (..., n*s, ...)
@@ -188,6 +199,9 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> tor
     if group_size(group) == 1:
         return x.clone()
     blocks, out = _reduce_scatter_buffers(x, dim, group)
+    if _traced_host(x):
+        name, n = host_collective_ops.group_name(group), group_size(group)
+        return host_collective_ops.host_reduce_scatter(blocks.view(-1), n, name).view(out.shape)
     if not host_collectives.reduce_scatter_(out.view(-1), blocks.view(-1), group):
         dist.reduce_scatter_single(out.view(-1), blocks.view(-1), group=group)
     return out
@@ -238,9 +252,11 @@ def all_to_all(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     if n == 1:
         return x.clone()
     x = x.contiguous()
-    out = torch.empty_like(x)
     if _counters:
         record("all_to_all", (n - 1) / n * _nbytes(x), _group_peers(group))
+    if _traced_host(x):
+        return host_collective_ops.host_all_to_all(x, host_collective_ops.group_name(group))
+    out = torch.empty_like(x)
     if not host_collectives.all_to_all_(out, x, group):
         dist.all_to_all_single(out, x, group=group)
     return out

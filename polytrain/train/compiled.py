@@ -8,7 +8,8 @@ working because each one touches the block from the right side:
 
 - tensor / sequence parallelism rewires the block's submodules first; their collectives
   (copy / reduce / gather / reduce-scatter regions) are traced into the block's graph as
-  functional collectives;
+  functional collectives, or, for CPU ranks on x86-64, as calls of the shared-memory
+  operators (backend/host_collective_ops.py) that eager blocks use too;
 - activation checkpointing wraps the block's (or its attention core's) forward first; the
   compiled graph holds the recomputation;
 - FSDP2 (ZeRO-3, replicas) shards the compiled block afterwards: its all-gather and

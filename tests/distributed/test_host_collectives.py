@@ -22,6 +22,28 @@ def _same_on_every_rank(x: torch.Tensor, group) -> bool:
     return all(torch.equal(g, x) for g in gathered)
 
 
+def _compiled_graph_shares(group, members: int, generator: torch.Generator) -> None:
+    """A compiled graph's collectives (host_collective_ops.py) give eager's bits, through the
+    shared buffer: one exchange each, with no graph break."""
+    import torch.distributed as dist
+
+    from polytrain.distributed import collectives
+
+    def four(x):  # x (members * 2, 3)
+        gathered = collectives.all_gather(x, 0, group)  # (members^2 * 2, 3)
+        return (collectives.all_reduce(x, group), gathered, collectives.reduce_scatter(gathered, 0, group),
+                collectives.all_to_all(x.view(members, -1), group))
+
+    x = torch.randn(members * 2, 3, generator=generator)
+    eager = four(x)
+    channel = host_collectives._channels[group if group is not None else dist.group.WORLD]
+    before = channel.calls
+    compiled = torch.compile(four, backend="aot_eager", fullgraph=True)(x)
+    assert channel.calls - before == 4
+    for got, want in zip(compiled, eager):
+        assert torch.equal(got, want)
+
+
 def _check(rank: int, world_size: int) -> None:
     import torch.distributed as dist
 
@@ -82,6 +104,7 @@ def _check(rank: int, world_size: int) -> None:
                     assert torch.equal(ours, reference)
         key = group if group is not None else dist.group.WORLD
         assert host_collectives._channels[key].calls >= 10 * len(cases)  # it went through shared memory
+        _compiled_graph_shares(group, members, generator)
     ints = torch.arange(6) * (rank + 1)
     assert torch.equal(all_reduce(ints, None), torch.arange(6) * sum(range(1, world_size + 1)))  # gloo's
     assert not glob.glob(os.path.join(host_collectives._shm_dir(), "polytrain-collectives-*"))  # unlinked
