@@ -238,40 +238,33 @@ def all_reduce_(x: torch.Tensor, group: ProcessGroup | None) -> bool:
     """Sum `x` over `group` in place through shared memory; False (nothing done) where this call
     or group cannot take the shared path (`usable`, ranks on several hosts): the caller then uses
     the process group. Collective: every rank of the group calls it."""
-    channel = _channel(group) if usable(x, group) else None
-    if channel is None:
-        return False
-    channel.all_reduce_(x)
-    return True
+    return _run(_Channel.all_reduce_, x, group, x)
 
 
 def all_gather_(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | None) -> bool:
     """Gather every rank's `x` (S,) into contiguous `out` (n * S,) through shared memory; False
     (nothing done) as `all_reduce_`. Collective."""
-    channel = _channel(group) if usable(x, group) else None
-    if channel is None:
-        return False
-    channel.all_gather_(out, x)
-    return True
+    return _run(_Channel.all_gather_, x, group, out, x)
 
 
 def reduce_scatter_(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | None) -> bool:
     """Sum every rank's contiguous `x` (n * S,) and leave this rank's row r, x[r*S:(r+1)*S]
     summed, in `out` (S,), through shared memory; False (nothing done) as `all_reduce_`. Collective."""
-    channel = _channel(group) if usable(x, group) else None
-    if channel is None:
-        return False
-    channel.reduce_scatter_(out, x)
-    return True
+    return _run(_Channel.reduce_scatter_, x, group, out, x)
 
 
 def all_to_all_(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | None) -> bool:
     """Rank r's out[i] = rank i's x[r], for contiguous x and out (n, ...) that do not overlap,
     through shared memory; False (nothing done) as `all_reduce_`. Collective."""
+    return _run(_Channel.all_to_all_, x, group, out, x)
+
+
+def _run(method, x: torch.Tensor, group: ProcessGroup | None, *args: torch.Tensor) -> bool:
+    """`method(channel, *args)` on the group's channel where `x` may take the shared path."""
     channel = _channel(group) if usable(x, group) else None
     if channel is None:
         return False
-    channel.all_to_all_(out, x)
+    method(channel, *args)
     return True
 
 

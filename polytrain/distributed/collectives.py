@@ -168,15 +168,16 @@ def all_gather(x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.T
     n = group_size(group)
     if n == 1:
         return x.clone()
-    stacked = x.new_empty((n, *x.shape))  # (n, ..., s, ...): one contiguous slot per rank
     if _counters:
-        record("all_gather", (n - 1) / n * _nbytes(stacked), _group_peers(group))
+        record("all_gather", (n - 1) * _nbytes(x), _group_peers(group))  # (n-1)/n of the gathered bytes
     flat = x.contiguous().view(-1)
     if _traced_host(x):
         name = host_collective_ops.group_name(group)
-        stacked = host_collective_ops.host_all_gather(flat, n, name).view(stacked.shape)
-    elif not host_collectives.all_gather_(stacked.view(-1), flat, group):
-        dist.all_gather_single(stacked.view(-1), flat, group=group)
+        stacked = host_collective_ops.host_all_gather(flat, n, name).view(n, *x.shape)
+    else:
+        stacked = x.new_empty((n, *x.shape))  # (n, ..., s, ...): one contiguous slot per rank
+        if not host_collectives.all_gather_(stacked.view(-1), flat, group):
+            dist.all_gather_single(stacked.view(-1), flat, group=group)
     dim = dim % x.dim()
     return stacked.movedim(0, dim).flatten(dim, dim + 1)  # (..., n, s, ...) -> (..., n*s, ...)
 
