@@ -19,7 +19,6 @@ weights and samples).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
@@ -28,7 +27,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests is not installed
-from benchmarks.paired_trainers import alternate, compare, machine_line, publish, ratios, spread
+from benchmarks.paired_trainers import (add_round_arguments, alternate, compare, load_at_start, machine_line,
+                                        progress_line, publish, ratios, spread)
 from tests.multirank import run_ranks
 
 LAYOUTS = {  # name -> (ranks, overrides)
@@ -46,12 +46,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--source", default="stdlib", help="data.source (the first stdlib call tokenizes, ~30 s)")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=3, help="timed optimizer steps per trainer and round")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per trainer first (compiles)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads shared by a layout's ranks")
-    p.add_argument("--json", type=Path, help="also write every figure to this JSON file")
+    add_round_arguments(p, rounds=5)
     return p.parse_args()
 
 
@@ -85,9 +80,7 @@ def _body(rank: int, world: int, args: argparse.Namespace, size: str, layout: li
 
 def main() -> None:
     args = parse_args()
-    load = os.getloadavg()[0]
-    if load > 0.5:
-        print(f"warning: load average {load:.1f} before starting; the figures will be noisy", flush=True)
+    load = load_at_start()
     rows = []
     with tempfile.TemporaryDirectory(prefix="polytrain-compile-") as tmp:
         for size in args.sizes.split(","):
@@ -97,10 +90,8 @@ def main() -> None:
                 result = run_ranks(ranks, _body, args, size, overrides, str(work), timeout=3600)[0]
                 row = {"size": size, "layout": layout, **result, **compare(result["rates"], "compiled", "eager")}
                 rows.append(row)
-                print(f"{size} {layout}: eager {spread(result['rates']['eager'])} tok/s, compiled "
-                      f"{spread(result['rates']['compiled'])} tok/s ({row['ratio']:.2f}x; rounds "
-                      f"{ratios(row['round_ratios'])}), compile {result['compile_s']:.0f} s, losses "
-                      f"{result['losses']['eager']:.4f} / {result['losses']['compiled']:.4f}", flush=True)
+                print(progress_line(f"{size} {layout}", row, "eager", "compiled",
+                                    f", compile {result['compile_s']:.0f} s", digits=4), flush=True)
     publish(report(args, rows, load), args.json, args, rows)
 
 

@@ -48,6 +48,35 @@ def ratios(values: list[float]) -> str:
     return " ".join(f"{x:.2f}" for x in values)
 
 
+def add_round_arguments(p, rounds: int) -> None:
+    """The arguments every paired benchmark takes: data source, rounds, steps, warm-up, threads, --json."""
+    import os
+
+    p.add_argument("--source", default="stdlib", help="data.source (the first stdlib call tokenizes, ~30 s)")
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--steps", type=int, default=3, help="timed optimizer steps per trainer and round")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per trainer first (a compiled one compiles)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads shared by the job's ranks")
+    p.add_argument("--json", type=Path, help="also write every figure to this JSON file")
+
+
+def load_at_start() -> float:
+    """The load average now, with a warning when something else is running."""
+    import os
+
+    load = os.getloadavg()[0]
+    if load > 0.5:
+        print(f"warning: load average {load:.1f} before starting; the figures will be noisy", flush=True)
+    return load
+
+
+def progress_line(label: str, row: dict, old: str, new: str, extra: str = "", digits: int = 5) -> str:
+    """A row's figures as they arrive: both trainers' tokens/s, the ratio new / old, the rounds, the losses."""
+    rates, losses = row["rates"], row["losses"]
+    return (f"{label}: {old} {spread(rates[old])} tok/s, {new} {spread(rates[new])} tok/s ({row['ratio']:.3f}x; "
+            f"rounds {ratios(row['round_ratios'])}){extra}, losses {losses[old]:.{digits}f} / {losses[new]:.{digits}f}")
+
+
 def machine_line(load: float) -> str:
     """The date, the device and the load average the run started at: a RESULTS block's first line."""
     from polytrain.backend import get_accelerator

@@ -18,7 +18,6 @@ step (equal: the two train the same thing from the same weights and samples).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -26,7 +25,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests is not installed
-from benchmarks.paired_trainers import alternate, compare, machine_line, publish, ratios, spread
+from benchmarks.paired_trainers import (add_round_arguments, alternate, compare, load_at_start, machine_line,
+                                        progress_line, publish, ratios, spread)
 from tests.multirank import run_ranks
 
 LAYOUTS = {"tp = 2": ["--parallel.tp", "2"], "tp = 2 + SP": ["--parallel.tp", "2", "--parallel.sp", "true"]}
@@ -39,12 +39,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma list of " + ", ".join(LAYOUTS))
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--source", default="stdlib", help="data.source (the first stdlib call tokenizes, ~30 s)")
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--steps", type=int, default=3, help="timed optimizer steps per trainer and round")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per trainer first")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads shared by the 2 ranks")
-    p.add_argument("--json", type=Path, help="also write every figure to this JSON file")
+    add_round_arguments(p, rounds=7)
     return p.parse_args()
 
 
@@ -73,9 +68,7 @@ def _body(rank: int, world: int, args: argparse.Namespace, layout: list[str], wo
 
 def main() -> None:
     args = parse_args()
-    load = os.getloadavg()[0]
-    if load > 0.5:
-        print(f"warning: load average {load:.1f} before starting; the figures will be noisy", flush=True)
+    load = load_at_start()
     rows = []
     with tempfile.TemporaryDirectory(prefix="polytrain-overlap-") as tmp:
         for layout in args.layouts.split(","):
@@ -83,9 +76,7 @@ def main() -> None:
                                timeout=3600)[0]
             row = {"layout": layout, **result, **compare(result["rates"], "on", "off")}
             rows.append(row)
-            print(f"{layout}: off {spread(result['rates']['off'])} tok/s, on {spread(result['rates']['on'])} tok/s "
-                  f"({row['ratio']:.3f}x; rounds {ratios(row['round_ratios'])}), losses "
-                  f"{result['losses']['off']:.5f} / {result['losses']['on']:.5f}", flush=True)
+            print(progress_line(layout, row, "off", "on"), flush=True)
     publish(report(args, rows, load), args.json, args, rows)
 
 
