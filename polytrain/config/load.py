@@ -213,6 +213,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.min_lr = {t.min_lr} is above train.lr = {t.lr}")
     if cfg.parallel.reduce_bucket_mb <= 0:
         raise ConfigError(f"parallel.reduce_bucket_mb = {cfg.parallel.reduce_bucket_mb} must be positive")
+    if cfg.parallel.reduce_bucket_auto and cfg.parallel.zero not in (1, 2):
+        raise ConfigError(f"parallel.reduce_bucket_auto sizes ZeRO-1/2's gradient buckets; parallel.zero = "
+                          f"{cfg.parallel.zero} has none (set parallel.zero 1 or 2, or leave it off)")
     _validate_offload(cfg)
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 0 or cfg.checkpoint.snapshot_every < 0:
         raise ConfigError("checkpoint.every, checkpoint.keep and checkpoint.snapshot_every must be >= 0")

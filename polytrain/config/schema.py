@@ -215,6 +215,8 @@ class ParallelConfig:
     """Ranks one ZeRO-3 shard group spans; -1 = all of dp; a smaller divisor replicates shards across groups (HSDP)."""
     reduce_bucket_mb: float = 25.0
     """ZeRO-1/2: MiB of gradients reduce-scattered together; smaller buckets start during backward sooner."""
+    reduce_bucket_auto: bool = False
+    """ZeRO-1/2: size the buckets at start from the dp group's measured reduce-scatter latency and bandwidth, at most reduce_bucket_mb."""
     offload: str = _choices("none", "cpu", "nvme")
     """Optimizer offload: ZeRO-1/2 masters and state, ZeRO-3 shards, on the accelerator (none), host (cpu) or files."""
     offload_params: str = _choices("none", "cpu", "nvme")

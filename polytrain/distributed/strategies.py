@@ -59,7 +59,8 @@ def _strategy(runtime: Runtime, cfg: ParallelConfig, run_dir: Path | None, param
         # ParallelDims puts all data-parallel ranks on dp_shard for these stages (x cp: zero_mesh).
         dp_mesh = dims.zero_mesh(mesh) if dims.grad_ranks > 1 else None
         return ZeroDataParallel(runtime.acc, dp_mesh, dims.zero if zero12 else 1, int(cfg.reduce_bucket_mb * 2**20),
-                                store, param_dtype=param_dtype, pipelined=pipelined, tp=dims.tp)
+                                store, param_dtype=param_dtype, pipelined=pipelined, tp=dims.tp,
+                                auto_buckets=cfg.reduce_bucket_auto)
     offload = zero3_offload(cfg) if dims.zero == 3 else "none"
     return FSDP2DataParallel(runtime, pipelined=pipelined, param_dtype=param_dtype, offload=offload)
 

@@ -68,6 +68,7 @@ from torch.distributed.tensor import DTensor
 from polytrain.backend import host_collectives
 from polytrain.backend.base import Accelerator
 from polytrain.config import TrainConfig
+from polytrain.distributed.bucket_size import choose_bucket_elements
 from polytrain.distributed.offload import ShardStore, fresh_state, state_names
 from polytrain.distributed.reduce_scatter import start_reduce_scatter
 from polytrain.distributed.zero_specs import as_sharded, replicas, tp_group_of
@@ -202,11 +203,13 @@ class ZeroDataParallel:
 
     def __init__(self, acc: Accelerator, mesh: DeviceMesh | None, stage: int, bucket_bytes: int,
                  store: ShardStore | None = None, param_dtype: torch.dtype = torch.float32,
-                 pipelined: bool = False, tp: int = 1):
+                 pipelined: bool = False, tp: int = 1, auto_buckets: bool = False):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements stages 1 and 2, not {stage}")
         self.acc, self.mesh, self.stage, self.bucket_bytes = acc, mesh, stage, bucket_bytes
         self.param_dtype, self.pipelined = param_dtype, pipelined
+        # auto_buckets: bucket_bytes is only the bound; build_optimizer measures (bucket_size.py).
+        self.auto_buckets, self.bucket_choice = auto_buckets, None
         self.tp = tp  # ranks holding a copy of each plain (not tensor-parallel) parameter's rows
         self._hooks: list = []
         self.store = store or ShardStore()
@@ -250,8 +253,9 @@ class ZeroDataParallel:
         self.device = named[0][1].device
         eager = [(n, p) for n, p in named[::-1] if n not in self.keep_full_grads]
         later = [(n, p) for n, p in named[::-1] if n in self.keep_full_grads]
-        self.buckets = plan_buckets(eager, self.bucket_bytes, self.size, self.rank, self.store)
-        deferred = plan_buckets(later, self.bucket_bytes, self.size, self.rank, self.store, len(self.buckets))
+        bucket_bytes = self._measured_bucket_bytes(eager) if self.auto_buckets and self.group is not None else self.bucket_bytes
+        self.buckets = plan_buckets(eager, bucket_bytes, self.size, self.rank, self.store)
+        deferred = plan_buckets(later, bucket_bytes, self.size, self.rank, self.store, len(self.buckets))
         for bucket in deferred:
             bucket.deferred = True
         self.buckets += deferred
@@ -272,6 +276,14 @@ class ZeroDataParallel:
         if self.store.maps_state:
             self._map_optimizer_state()
         return self.optimizer
+
+    def _measured_bucket_bytes(self, named: list[tuple[str, nn.Parameter]]) -> int:
+        """The bucket size (in the compute parameters' bytes) for the group's measured reduction cost."""
+        element = torch.empty((), dtype=self.param_dtype).element_size()
+        self.bucket_choice = choose_bucket_elements(
+            self.group, self.rank, self.by_all_reduce, self.device,
+            n_elements=sum(_local(p).numel() for _, p in named), cap_elements=max(1, self.bucket_bytes // element))
+        return self.bucket_choice.elements * element
 
     def named_optimizer_params(self) -> list[tuple[str, torch.Tensor]]:
         """(FQN, tensor the optimizer steps) pairs: the master shards."""

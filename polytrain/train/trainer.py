@@ -418,7 +418,11 @@ class Trainer:
         lo = self.cfg.lora
         adapters = (f" + LoRA r={lo.rank}: {self.num_adapter_params / 1e6:.2f}M"
                     f"{' trained, base frozen' if lo.only_optimize else ''}") if lo.rank else ""
-        return (f"model {m.arch} {m.size}: {self.num_params / 1e6:.1f}M parameters{adapters} | {layout} | "
+        # parallel.reduce_bucket_auto: the size ZeRO-1/2 measured (a pipeline has a strategy per stage)
+        strategies = getattr(self.dp, "strategies", {0: self.dp}).values()
+        choices = [getattr(strategy, "bucket_choice", None) for strategy in strategies]
+        buckets = "".join(f" | {choice.describe()}" for choice in choices if choice is not None)
+        return (f"model {m.arch} {m.size}: {self.num_params / 1e6:.1f}M parameters{adapters} | {layout}{buckets} | "
                 f"{self.acc.describe()}\n"
                 f"global batch {t.global_batch_size} x {self.cfg.data.seq_len} tokens "
                 f"({t.micro_batch_size} per micro-batch, {self.batch.accum_steps} accumulation steps"

@@ -59,7 +59,8 @@ def _train_and_count(rank: int, world_size: int, layouts: dict[str, list[str]]) 
         out[name] = {"comm": dataclasses.asdict(dp.comm), "buckets": len(dp.buckets),
                      "padded": sum(b.size for b in dp.buckets) * world_size,
                      "accum": trainer.batch.accum_steps, "stage": dp.stage, "wire": wire.total("model"),
-                     "reduce_psi": buffers_sent(dp.group, trainer.runtime.acc.reduce_scatter_by_all_reduce)}
+                     "reduce_psi": buffers_sent(dp.group, trainer.runtime.acc.reduce_scatter_by_all_reduce),
+                     "choice": dp.bucket_choice}
     return out
 
 
@@ -95,12 +96,20 @@ def test_single_process_zero2_is_a_plain_optimizer(reference, small_corpus, tmp_
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_zero12_match_single_process(world_size, reference, small_corpus, tmp_path):
     layouts = {"zero1": ["--parallel.zero", "1"], "zero2": ["--parallel.zero", "2"],
-               "zero2_small_buckets": ["--parallel.zero", "2", "--parallel.reduce_bucket_mb", SMALL_BUCKET_MB]}
+               "zero2_small_buckets": ["--parallel.zero", "2", "--parallel.reduce_bucket_mb", SMALL_BUCKET_MB],
+               "zero2_measured_buckets": ["--parallel.zero", "2", "--parallel.reduce_bucket_auto", "true"]}
     if world_size == 4:
-        del layouts["zero2"]
+        del layouts["zero2"], layouts["zero2_measured_buckets"]
         layouts["zero1_small_buckets"] = ["--parallel.zero", "1", "--parallel.reduce_bucket_mb", SMALL_BUCKET_MB]
     runs = {name: tiny_overrides(small_corpus, tmp_path / name) + extra for name, extra in layouts.items()}
-    counts = run_ranks(world_size, _train_and_count, runs)[0]
+    every_rank = run_ranks(world_size, _train_and_count, runs)
+    counts = every_rank[0]
+    if "zero2_measured_buckets" in runs:  # a collective decision: every rank plans the same buckets
+        choices = [rank["zero2_measured_buckets"]["choice"] for rank in every_rank]
+        assert choices[0] is not None and all(c == choices[0] for c in choices)
+        assert choices[0].cost.latency_s >= 0 and choices[0].cost.bytes_per_s > 0
+        assert all(rank[name]["choice"] is None for rank in every_rank for name in runs
+                   if name != "zero2_measured_buckets")
     ref_rows, ref_weights = train_rows(reference), final_weights(reference)
     steps = len(ref_rows)
     n_params = sum(w.numel() for w in ref_weights.values())

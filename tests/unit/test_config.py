@@ -38,6 +38,7 @@ def test_toml_then_overrides(tmp_path):
     (["--train.precision", "fp8"], "train.precision = 'fp8' is not one of 'fp32', 'bf16'"),
     (["--parallel.zero", "4"], "parallel.zero = 4 is not one of 0, 1, 2, 3"),
     (["--parallel.reduce_bucket_mb", "0"], "parallel.reduce_bucket_mb = 0.0 must be positive"),
+    (["--parallel.reduce_bucket_auto", "true"], "parallel.reduce_bucket_auto sizes ZeRO-1/2's gradient buckets"),
     (["--train.global_batch_size", "20"], "train.global_batch_size = 20 must be a multiple of train.micro_batch_size = 8; try 16"),
     (["--model.n_kv_heads", "4"], "model.n_kv_heads = 4 must divide model.n_heads = 6"),
     (["--data.seq_len", "512", "--model.max_seq_len", "256"], "data.seq_len = 512 exceeds model.max_seq_len = 256"),
