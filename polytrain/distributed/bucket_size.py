@@ -14,7 +14,7 @@ the latency's share of the reduction time at 1 / (1 + sqrt(N / (latency x bandwi
 a few percent for any model worth sharding, at a fraction of a large bucket's memory.
 
 B* is rounded down to a power of two, so a slightly different measurement rarely changes
-it, and kept within [MIN_BUCKET_BYTES, the configured reduce_bucket_mb]: the configured size
+it, and kept within [MIN_BUCKET_ELEMENTS, the configured reduce_bucket_mb]: the configured size
 stays the memory bound (ZeRO-2 holds a bucket's full gradients until it is reduced; two
 buckets' send buffers are in flight). Different runs may still pick different sizes, and
 the gradient norm sums its per-bucket parts in a different order then (last-bit
@@ -61,7 +61,7 @@ class BucketChoice:
     cost: ReductionCost
     elements: int
     capped: bool
-    """True when B* was above the configured size (or the bandwidth was not measurable)."""
+    """True when the configured reduce_bucket_mb decided the size (B* or the floor above it)."""
 
     def describe(self) -> str:
         bound = ", the configured bound" if self.capped else ""

@@ -253,7 +253,8 @@ class ZeroDataParallel:
         self.device = named[0][1].device
         eager = [(n, p) for n, p in named[::-1] if n not in self.keep_full_grads]
         later = [(n, p) for n, p in named[::-1] if n in self.keep_full_grads]
-        bucket_bytes = self._measured_bucket_bytes(eager) if self.auto_buckets and self.group is not None else self.bucket_bytes
+        measured = self.auto_buckets and self.group is not None
+        bucket_bytes = self._measured_bucket_bytes(eager) if measured else self.bucket_bytes
         self.buckets = plan_buckets(eager, bucket_bytes, self.size, self.rank, self.store)
         deferred = plan_buckets(later, bucket_bytes, self.size, self.rank, self.store, len(self.buckets))
         for bucket in deferred:
