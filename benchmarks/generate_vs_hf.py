@@ -8,6 +8,7 @@ A randomly initialised Hugging Face model of the preset's shape is saved and con
 polytrain's importer, so both sides hold the same weights. Each side runs three ways:
 
     polytrain     padded     the KV cache that grows with the sequence (generate's default)
+                  unsplit    padded, decoding's matmuls not split over threads (threaded_matmul=False)
                   static     a fixed-shape StaticKVCache (static_cache=True)
                   compiled   the static cache's decoding step compiled once (compile=True)
     transformers  dynamic    its default DynamicCache
@@ -15,7 +16,7 @@ polytrain's importer, so both sides hold the same weights. Each side runs three 
                   compiled   static, with its automatic compilation of the decoding forward
                              (which it turns on by itself only on GPUs; forced here on the CPU)
 
-The first call of each checks that all six produce the same greedy tokens and pays their
+The first call of each checks that all seven produce the same greedy tokens and pays their
 compilation (reported). Then --rounds rounds, the order rotating each round, time greedy
 decoding of --new-tokens tokens (every row runs to the end: no stop tokens) for --batch
 prompts of --prompt-len tokens, on the accelerator polytrain picks, fp32 unless --dtype bf16.
@@ -43,8 +44,7 @@ from polytrain.models import ARCHITECTURES
 
 transformers.logging.set_verbosity_error()
 transformers.logging.disable_progress_bar()
-WAYS = ("padded", "static", "compiled")
-HF_WAYS = {"padded": "dynamic", "static": "static", "compiled": "compiled"}  # the same kind of cache
+HF_WAYS = {"padded": "dynamic", "unsplit": "dynamic", "static": "static", "compiled": "compiled"}  # same cache
 
 
 def parse_args() -> argparse.Namespace:
@@ -90,7 +90,8 @@ def runners(ours, hf, prompts: torch.Tensor, n: int, device) -> dict:
             return out[:, prompts.shape[1]:].tolist()
         return run
 
-    return {("polytrain", "padded"): ours_way(), ("polytrain", "static"): ours_way(static_cache=True),
+    return {("polytrain", "padded"): ours_way(), ("polytrain", "unsplit"): ours_way(threaded_matmul=False),
+            ("polytrain", "static"): ours_way(static_cache=True),
             ("polytrain", "compiled"): ours_way(compile=True),
             ("transformers", "dynamic"): hf_way(),
             ("transformers", "static"): hf_way(cache_implementation="static", disable_compile=True),

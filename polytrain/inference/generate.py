@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from polytrain.inference.continuous import generate_static
+from polytrain.inference.threaded_matmul import threaded_linears
 from polytrain.models.common.kv_cache import KVCache
 
 
@@ -32,7 +33,7 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
              row_generators: list[torch.Generator] | None = None,
              all_done: Callable[[bool], bool] | None = None,
              static_cache: bool = False, batch_size: int | None = None,
-             compile: bool = False) -> list[list[int]]:
+             compile: bool = False, threaded_matmul: bool = True) -> list[list[int]]:
     """Continue each prompt by up to `max_new_tokens` tokens; returns only the new tokens.
 
     temperature 0 picks the most likely token (greedy); otherwise logits are divided
@@ -47,6 +48,10 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
     (default all), a finished row taking the next prompt (continuous batching);
     `compile` compiles the decoding step (implies static_cache). Greedy tokens are the
     same either way; sampled ones come from the same distributions in another order.
+
+    threaded_matmul: decoding's few-row products with host-resident Linear weights are split
+    over torch's threads where that measured faster (threaded_matmul.py); each product is
+    summed as F.linear sums it, so tokens do not change.
     """
     _check_arguments(prompts, max_new_tokens, temperature, top_k, top_p)
     if row_generators is not None and len(row_generators) != len(prompts):
@@ -67,7 +72,8 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
         return [[] for _ in prompts]
 
     if static:
-        with _inference(model):
+        rows = min(batch_size or len(prompts), len(prompts))
+        with _inference(model, rows, threaded_matmul):
             return generate_static(model, prompts, max_new_tokens,
                                    lambda logits: sample(logits, temperature, top_k, top_p, generator),
                                    stop_tokens or set(), batch_size, compile)
@@ -83,7 +89,7 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
     def step(next_tok: torch.Tensor, i: int) -> torch.Tensor:
         return model(next_tok[:, None], cache=cache, start_pos=longest + i)[:, -1]
 
-    with _inference(model):
+    with _inference(model, batch, threaded_matmul):
         first = model(tokens, cache=cache, start_pos=0)[:, -1]  # (B, vocab)
         return _sample_loop(first, step, max_new_tokens, temperature, top_k, top_p, stop_tokens,
                             generator, row_generators, all_done)
@@ -92,7 +98,7 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
 def generate_seq2seq(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
                      temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                      stop_tokens: set[int] | None = None, generator: torch.Generator | None = None,
-                     start_token: int = 0) -> list[list[int]]:
+                     start_token: int = 0, threaded_matmul: bool = True) -> list[list[int]]:
     """Encoder-decoder (T5) generation: each prompt is encoded once, the decoder writes up to
     `max_new_tokens` tokens after `start_token`; sampling and stopping as `generate`.
 
@@ -109,7 +115,7 @@ def generate_seq2seq(model: nn.Module, prompts: list[list[int]], max_new_tokens:
     mask = torch.tensor([[1] * len(p) + [0] * (longest - len(p)) for p in prompts], device=device)
     cache = KVCache(len(prompts), max_new_tokens)
 
-    with _inference(model):
+    with _inference(model, len(prompts), threaded_matmul):
         memory = model.encode(tokens, mask)  # (B, S, dim)
 
         def step(next_tok: torch.Tensor, i: int) -> torch.Tensor:
@@ -121,12 +127,13 @@ def generate_seq2seq(model: nn.Module, prompts: list[list[int]], max_new_tokens:
 
 
 @contextlib.contextmanager
-def _inference(model: nn.Module):
-    """eval mode and no autograd, restoring the model's mode after."""
+def _inference(model: nn.Module, rows: int, threaded_matmul: bool):
+    """eval mode and no autograd, decoding's `rows`-row products threaded where measured faster;
+    the model's mode and layers restored after."""
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), threaded_linears(model, rows, threaded_matmul):
             yield
     finally:
         model.train(was_training)

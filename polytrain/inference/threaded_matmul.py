@@ -1,0 +1,115 @@
+"""Decoding's few-row matmuls spread over the host's threads.
+
+A decoding step multiplies a few rows (batch x 1 token) by every weight of the model. On
+the host CPU the BLAS runs such a thin product (a GEMV at one row) on a single thread
+however many torch has: on the 2-core EPYC here F.linear reads a llama 125m weight at
+10 GB/s with 2 threads, as with 1, while the memory gives 28 GB/s. Splitting the weight's
+output rows into one block per thread and multiplying the blocks as a batch (torch.bmm,
+which ATen runs in parallel over the batch) reads it at 16-18 GB/s, and llama 125m's padded
+decoding runs 1.38x faster at batch 1, 1.13x at batch 8 (benchmarks/generate_vs_hf.py). Each
+block is the GEMM F.linear runs, so each output element is the same dot product summed in the
+same order (bitwise equal in every shape tested).
+
+Whether the split is faster depends on the shape, the row count and the machine, so it is
+measured: once per (out, in, rows, dtype, threads), on the model's own weights, and kept
+only where it is clearly faster. `threaded_linears(model, rows)` then replaces the forward
+of each plain nn.Linear held on the host for the duration of generation (subclasses such as
+LoRA's, and sharded or wrapped layers, are left alone) and restores it after; the model's
+code and parameters are untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+MARGIN = 0.9
+"""The split replaces F.linear only if it takes at most this fraction of F.linear's time."""
+
+
+def split_linear(x: torch.Tensor, weight: torch.Tensor, blocks: int) -> torch.Tensor:
+    """x (M, in) @ weight.T as `blocks` thin GEMMs, one per block of the weight's output rows:
+    (P, M, in) @ (P, in, out / P) -> (M, out), each element computed as F.linear computes it."""
+    m, k = x.shape
+    parts = torch.bmm(x.expand(blocks, m, k), weight.view(blocks, -1, k).transpose(1, 2))  # (P, M, out/P)
+    return parts.transpose(0, 1).reshape(m, -1)
+
+
+_split_faster: dict[tuple, bool] = {}
+"""(out, in, rows, dtype, threads) -> whether split_linear beat F.linear."""
+
+
+def _median_s(fn: Callable[[], object], repeats: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def split_is_faster(weights: list[torch.Tensor], rows: int, blocks: int,
+                    time_s: Callable[[Callable[[], object]], float] = _median_s) -> bool:
+    """Whether `rows` rows times each of `weights` (one shape, out % blocks == 0) run faster split.
+
+    Timed over all of the model's weights of the shape in turn, as a decoding step reads
+    them, so that a small weight is not measured hot in the cache."""
+    key = (*weights[0].shape, rows, weights[0].dtype, blocks)
+    if key not in _split_faster:
+        x = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype)
+        with torch.no_grad():
+            base = time_s(lambda: [F.linear(x, w) for w in weights])
+            split = time_s(lambda: [split_linear(x, w, blocks) for w in weights])
+        _split_faster[key] = split <= MARGIN * base
+    return _split_faster[key]
+
+
+def _eligible(module: nn.Module, blocks: int) -> bool:
+    """A plain nn.Linear whose plain, contiguous host weight splits into `blocks` equal blocks."""
+    if type(module) is not nn.Linear:
+        return False
+    weight = module.weight
+    return (type(weight) is nn.Parameter and weight.device.type == "cpu"
+            and weight.is_contiguous() and weight.shape[0] % blocks == 0)
+
+
+def _split_forward(module: nn.Linear, rows: int, blocks: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(x: torch.Tensor) -> torch.Tensor:  # x (..., in) -> (..., out)
+        m = x.numel() // x.shape[-1]
+        if m > rows or x.dtype != module.weight.dtype:  # prefill, or a caller's autocast: as nn.Linear
+            return F.linear(x, module.weight, module.bias)
+        out = split_linear(x.reshape(m, -1), module.weight, blocks).view(*x.shape[:-1], -1)
+        return out if module.bias is None else out + module.bias
+
+    return forward
+
+
+@contextlib.contextmanager
+def threaded_linears(model: nn.Module, rows: int, enabled: bool = True):
+    """While inside, inputs of at most `rows` rows to the model's eligible Linear layers are split
+    over torch's threads where that measured faster for their shape; every layer's own forward
+    is back on exit. Yields the number of layers split."""
+    blocks = torch.get_num_threads()
+    patched = []
+    if enabled and blocks > 1:
+        by_shape: dict[tuple, list[nn.Linear]] = {}
+        for module in model.modules():
+            if _eligible(module, blocks):
+                by_shape.setdefault((*module.weight.shape, module.weight.dtype), []).append(module)
+        for modules in by_shape.values():
+            if split_is_faster([m.weight.detach() for m in modules], rows, blocks):
+                for module in modules:
+                    module.forward = _split_forward(module, rows, blocks)
+                patched += modules
+    try:
+        yield len(patched)
+    finally:
+        for module in patched:
+            del module.forward

@@ -1,0 +1,123 @@
+"""Decoding's few-row matmuls split over threads: the same products, only where measured faster,
+every layer restored after."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from polytrain.config import ModelConfig
+from polytrain.inference import threaded_matmul
+from polytrain.inference.generate import generate
+from polytrain.inference.threaded_matmul import split_is_faster, split_linear, threaded_linears
+from polytrain.lora.adapter import LoRALinear
+from polytrain.models.common.init import init_plain
+from polytrain.models.llama.model import Llama
+
+CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=96, max_seq_len=48)
+PROMPTS = [[5, 17, 3, 88, 42, 9, 61], [23, 4], [70, 70, 12, 1]]
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def always_split(monkeypatch):
+    """Every eligible shape counts as faster split, whatever this machine's timings say."""
+    monkeypatch.setattr(threaded_matmul, "split_is_faster", lambda weights, rows, blocks: True)
+
+
+def llama() -> Llama:
+    model = Llama(CFG)
+    init_plain(model, 0)
+    return model
+
+
+def split_layers(model: nn.Module) -> list[str]:
+    return [name for name, m in model.named_modules() if "forward" in m.__dict__]
+
+
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (64, 128), (256, 48)])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("blocks", [2, 4])
+def test_split_linear_computes_exactly_what_linear_computes(out_features, in_features, rows, blocks):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    reference = x.double() @ weight.double().t()
+    got = split_linear(x, weight, blocks)
+    torch.testing.assert_close(got.double(), reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-6, atol=1e-6)
+
+
+def test_generation_splits_the_layers_and_keeps_the_tokens(two_threads, always_split):
+    model = llama()
+    unsplit = generate(model, PROMPTS, 10, temperature=0, threaded_matmul=False)
+    with threaded_linears(model, len(PROMPTS)) as count:
+        # every block Linear and the output head (96 rows: even); nothing else is an nn.Linear
+        assert count == CFG.n_layers * 7 + 1 == len(split_layers(model))
+        inside = generate(model, PROMPTS, 10, temperature=0, threaded_matmul=False)
+    assert split_layers(model) == []
+    assert inside == unsplit
+    assert generate(model, PROMPTS, 10, temperature=0) == unsplit
+    assert generate(model, PROMPTS, 10, temperature=0, static_cache=True, batch_size=2) == unsplit
+
+
+def test_split_layers_give_the_logits_of_the_plain_model(two_threads, always_split):
+    model = llama().eval()
+    tokens = torch.tensor([[5], [17], [3]])  # three rows: decoding's shape, split
+    prompt = torch.tensor([PROMPTS[0]])  # seven rows: above `rows`, so F.linear
+    with torch.no_grad():
+        plain = model(tokens), model(prompt)
+        with threaded_linears(model, rows=3):
+            split = model(tokens), model(prompt)
+    for a, b in zip(plain, split):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_lora_layers_odd_shapes_and_one_thread_are_left_alone(two_threads, always_split):
+    model = llama()
+    model.layers["0"].attention.wq = LoRALinear(model.layers["0"].attention.wq, rank=4, alpha=8)
+    model.output = nn.Linear(CFG.dim, 97, bias=False)  # 97 rows do not split into 2 blocks
+    with threaded_linears(model, 1):
+        names = split_layers(model)
+    assert "layers.0.attention.wq" not in names and "output" not in names
+    assert "layers.1.attention.wq" in names
+    torch.set_num_threads(1)
+    with threaded_linears(model, 1) as count:
+        assert count == 0
+
+
+def test_layers_are_restored_when_generation_fails(two_threads, always_split):
+    model = llama()
+    with pytest.raises(RuntimeError, match="stop"):
+        with threaded_linears(model, 1):
+            raise RuntimeError("stop")
+    assert split_layers(model) == []
+
+
+def test_the_split_is_kept_only_where_clearly_faster(monkeypatch):
+    monkeypatch.setattr(threaded_matmul, "_split_faster", {})
+    weights = [torch.randn(8, 4)]
+    calls = []
+
+    def timings(*seconds):
+        it = iter(seconds)
+
+        def time_s(fn):
+            calls.append(fn)
+            return next(it)
+        return time_s
+
+    # F.linear first, then the split: 5% faster is noise, 20% faster is kept
+    assert not split_is_faster(weights, 1, 2, time_s=timings(1.0, 0.95))
+    assert split_is_faster(weights, 3, 2, time_s=timings(1.0, 0.8))
+    assert split_is_faster(weights, 3, 2, time_s=timings(1.0, 5.0))  # measured once per shape
+    assert len(calls) == 4
