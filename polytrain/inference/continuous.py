@@ -6,8 +6,10 @@ emits a stop token or reaches max_new_tokens takes the next waiting prompt (cont
 batching), so a long batch of prompts never waits for its slowest row and the batch stays
 full. Every decoding step has the same shapes, one token per row over the whole cache
 with a mask, so `compile=True` compiles it once (`torch.compile` of the whole forward,
-the sampling outside). Each prompt is prefilled on its own into its row, so a row
-computes exactly what its prompt alone would, as the padded batches of `generate` do.
+the sampling outside). The prompts admitted together (all rows at the start, the rows
+freed by one step later) are prefilled in one forward per prompt length, each into its own
+rows from slot 0, so a row computes what its prompt alone would, as the padded batches of
+`generate` do.
 """
 
 from __future__ import annotations
@@ -50,26 +52,34 @@ def generate_static(model: nn.Module, prompts: list[list[int]], max_new_tokens: 
     new: list[list[int]] = [[] for _ in prompts]
     tokens = torch.zeros(rows, dtype=torch.long, device=device)  # (B,) each row's latest token
 
-    def admit(r: int) -> None:
-        """Prefill the next waiting prompt into row r and sample its first token."""
-        i = owner[r] = waiting.popleft()
-        prompt = torch.tensor([prompts[i]], device=device)  # (1, L)
-        tokens[r] = sample_rows(model(prompt, cache=cache.row(r), start_pos=0)[:, -1])[0]
+    def admit(free: list[int]) -> list[int]:
+        """Prefill the next waiting prompts into the rows `free`, those of one length together,
+        and sample each one's first token; returns the rows that took a prompt."""
+        taken = free[:len(waiting)]
+        by_length: dict[int, list[int]] = {}
+        for r in taken:
+            owner[r] = waiting.popleft()
+            by_length.setdefault(len(prompts[owner[r]]), []).append(r)
+        for group in by_length.values():
+            batch = torch.tensor([prompts[owner[r]] for r in group], device=device)  # (R, L)
+            logits = model(batch, cache=cache.rows(group), start_pos=0)[:, -1]  # (R, vocab)
+            tokens[group] = sample_rows(logits)
+        return taken
 
-    for r in range(rows):
-        admit(r)
+    fresh = admit(list(range(rows)))  # the rows whose latest token is not yet recorded
     while True:
         latest = tokens.tolist()
-        for r in range(rows):
-            while owner[r] is not None:  # record; a finished row takes prompts until one goes on
-                tok, i = latest[r], owner[r]
-                new[i].append(tok)
-                if tok not in stop_tokens and len(new[i]) < max_new_tokens:
-                    break
+        free = []
+        for r in fresh:  # record; a finished row takes the next prompt
+            tok, i = latest[r], owner[r]
+            new[i].append(tok)
+            if tok in stop_tokens or len(new[i]) >= max_new_tokens:
                 owner[r] = None
-                if waiting:
-                    admit(r)
-                    latest[r] = int(tokens[r])
+                free.append(r)
+        if free and waiting:
+            fresh = admit(free)  # their first tokens are recorded (and may finish them) before a step
+            continue
         if all(i is None for i in owner):
             return new
         tokens = sample_rows(step(tokens))  # idle rows decode too (fixed shapes); their tokens are dropped
+        fresh = [r for r in range(rows) if owner[r] is not None]

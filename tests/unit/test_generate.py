@@ -129,6 +129,19 @@ def test_static_cache_with_continuous_refill_equals_the_padded_batch(model):
         assert generate(model, prompts, 10, temperature=0, stop_tokens=stop, **kw) == padded, kw
 
 
+def test_static_cache_prefills_prompts_of_one_length_together_and_refills(model):
+    """Equal-length prompts share a prefill (at the start and when rows free up at one step);
+    a row whose first token ends it takes the next prompt before any step."""
+    prompts = [[5, 17, 3, 88], [23, 4, 61, 9], [70, 70, 12, 1], [8, 2], [44, 45, 46, 47], [3, 3],
+               [60, 1, 2, 50]]
+    free = generate(model, prompts, 6, temperature=0)
+    stop = {free[1][0], free[2][2]}  # prompt 1 ends at its first token, prompt 2 at its third
+    padded = generate(model, prompts, 6, temperature=0, stop_tokens=stop)
+    for rows in (2, 3, 4, 7):
+        assert generate(model, prompts, 6, temperature=0, stop_tokens=stop, batch_size=rows) == padded, rows
+        assert generate(model, prompts, 1, temperature=0, batch_size=rows) == [r[:1] for r in free], rows
+
+
 def test_compiled_static_decoding_equals_eager_and_compiles_once(model):
     from torch._dynamo.utils import counters
 

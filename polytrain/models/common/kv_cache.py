@@ -121,7 +121,7 @@ class StaticKVCache:
                start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Write one token per row, k and v (B, Hkv, 1, D), at slot lengths[b]; returns the whole buffers."""
         if k.shape[2] != 1:
-            raise ValueError("a static cache decodes one token per row; prefill rows with cache.row(b)")
+            raise ValueError("a static cache decodes one token per row; prefill rows with cache.rows(bs)")
         cache_k, cache_v = self.buffers(layer, k)
         cache_k[self._rows, :, self.lengths] = k[:, :, 0]  # (B, Hkv, D) into slot lengths[b] of row b
         cache_v[self._rows, :, self.lengths] = v[:, :, 0]
@@ -139,17 +139,19 @@ class StaticKVCache:
         """After a decoding forward: every row moves to its next slot (a finished row's is reset on refill)."""
         self.lengths.add_(1).clamp_(max=self.max_len - 1)
 
-    def row(self, b: int) -> KVCache:
-        """A one-row cache writing row b's slots from 0, for prefilling its prompt; sets lengths[b] after."""
-        return _RowCache(self, b)
+    def rows(self, bs: list[int]) -> KVCache:
+        """A cache of rows `bs` writing their slots from 0, for prefilling prompts of one length
+        together (batch len(bs)); sets their lengths after."""
+        return _RowsCache(self, bs)
 
 
-class _RowCache(KVCache):
-    """Row b of a StaticKVCache seen as a batch-1 KVCache (prefill: slots 0..T-1, causal)."""
+class _RowsCache(KVCache):
+    """Rows bs of a StaticKVCache seen as a batch-len(bs) KVCache (prefill: slots 0..T-1, causal)."""
 
-    def __init__(self, parent: StaticKVCache, b: int):
-        super().__init__(1, parent.max_len)
-        self.parent, self.b = parent, b
+    def __init__(self, parent: StaticKVCache, bs: list[int]):
+        super().__init__(len(bs), parent.max_len)
+        self.parent = parent
+        self.index = torch.tensor(bs, device=parent.lengths.device)  # (R,)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor,
                start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,7 +159,7 @@ class _RowCache(KVCache):
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions; writing up to {end}")
         cache_k, cache_v = self.parent.buffers(layer, k)
-        cache_k[self.b, :, start_pos:end] = k[0]
-        cache_v[self.b, :, start_pos:end] = v[0]
-        self.parent.lengths[self.b] = end
-        return cache_k[self.b:self.b + 1, :, :end], cache_v[self.b:self.b + 1, :, :end]
+        cache_k[self.index, :, start_pos:end] = k  # (R, Hkv, T, D) into slots start_pos..end-1
+        cache_v[self.index, :, start_pos:end] = v
+        self.parent.lengths[self.index] = end
+        return cache_k[self.index, :, :end], cache_v[self.index, :, :end]
