@@ -6,7 +6,7 @@ however many torch has: on the 2-core EPYC here F.linear reads a llama 125m weig
 10 GB/s with 2 threads, as with 1, while the memory gives 28 GB/s. Splitting the weight's
 output rows into one block per thread and multiplying the blocks as a batch (torch.bmm,
 which ATen runs in parallel over the batch) reads it at 16-18 GB/s, and llama 125m's padded
-decoding runs 1.38x faster at batch 1, 1.13x at batch 8 (benchmarks/generate_vs_hf.py). Each
+decoding runs 1.4-1.6x faster at batch 1, 1.1-1.5x at batch 8 (benchmarks/RESULTS.md). Each
 block is the GEMM F.linear runs, so each output element is the same dot product summed in the
 same order (bitwise equal in every shape tested).
 
@@ -63,7 +63,8 @@ def split_is_faster(weights: list[torch.Tensor], rows: int, blocks: int,
     them, so that a small weight is not measured hot in the cache."""
     key = (*weights[0].shape, rows, weights[0].dtype, blocks)
     if key not in _split_faster:
-        x = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype)
+        # its own generator: the global stream a caller's sampling draws from stays untouched
+        x = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype, generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             base = time_s(lambda: [F.linear(x, w) for w in weights])
             split = time_s(lambda: [split_linear(x, w, blocks) for w in weights])

@@ -121,3 +121,12 @@ def test_the_split_is_kept_only_where_clearly_faster(monkeypatch):
     assert split_is_faster(weights, 3, 2, time_s=timings(1.0, 0.8))
     assert split_is_faster(weights, 3, 2, time_s=timings(1.0, 5.0))  # measured once per shape
     assert len(calls) == 4
+
+
+def test_measuring_leaves_the_global_random_stream_alone(monkeypatch):
+    monkeypatch.setattr(threaded_matmul, "_split_faster", {})
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    split_is_faster([torch.ones(8, 4)], 2, 2)
+    assert torch.equal(torch.rand(3), expected)
