@@ -33,11 +33,14 @@ MARGIN = 0.9
 """The split replaces F.linear only if it takes at most this fraction of F.linear's time."""
 
 
-def split_linear(x: torch.Tensor, weight: torch.Tensor, blocks: int) -> torch.Tensor:
-    """x (M, in) @ weight.T as `blocks` thin GEMMs, one per block of the weight's output rows:
-    (P, M, in) @ (P, in, out / P) -> (M, out), each element computed as F.linear computes it."""
+def split_linear(x: torch.Tensor, weight: torch.Tensor, blocks: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, in) @ weight.T + bias as `blocks` thin GEMMs, one per block of the weight's output rows:
+    (P, M, in) @ (P, in, out / P) -> (M, out), each element computed as F.linear computes it.
+    The bias goes into the GEMM's accumulator (baddbmm), as F.linear's addmm puts it: added
+    after the product instead, bf16 outputs differ from F.linear's in their last bit."""
     m, k = x.shape
-    parts = torch.bmm(x.expand(blocks, m, k), weight.view(blocks, -1, k).transpose(1, 2))  # (P, M, out/P)
+    a, b = x.expand(blocks, m, k), weight.view(blocks, -1, k).transpose(1, 2)
+    parts = torch.bmm(a, b) if bias is None else torch.baddbmm(bias.view(blocks, 1, -1), a, b)  # (P, M, out/P)
     return parts.transpose(0, 1).reshape(m, -1)
 
 
@@ -73,8 +76,10 @@ def split_is_faster(weights: list[torch.Tensor], rows: int, blocks: int,
 
 
 def _eligible(module: nn.Module, blocks: int) -> bool:
-    """A plain nn.Linear whose plain, contiguous host weight splits into `blocks` equal blocks."""
-    if type(module) is not nn.Linear:
+    """A plain nn.Linear whose plain, contiguous host weight splits into `blocks` equal blocks,
+    and whose forward is its class's: an instance forward (a user's own, or an enclosing
+    threaded_linears') is neither replaced nor deleted on exit."""
+    if type(module) is not nn.Linear or "forward" in module.__dict__:
         return False
     weight = module.weight
     return (type(weight) is nn.Parameter and weight.device.type == "cpu"
@@ -86,8 +91,7 @@ def _split_forward(module: nn.Linear, rows: int, blocks: int) -> Callable[[torch
         m = x.numel() // x.shape[-1]
         if m > rows or x.dtype != module.weight.dtype:  # prefill, or a caller's autocast: as nn.Linear
             return F.linear(x, module.weight, module.bias)
-        out = split_linear(x.reshape(m, -1), module.weight, blocks).view(*x.shape[:-1], -1)
-        return out if module.bias is None else out + module.bias
+        return split_linear(x.reshape(m, -1), module.weight, blocks, module.bias).view(*x.shape[:-1], -1)
 
     return forward
 

@@ -47,14 +47,20 @@ def split_layers(model: nn.Module) -> list[str]:
 @pytest.mark.parametrize("out_features,in_features", [(96, 64), (64, 128), (256, 48)])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("blocks", [2, 4])
-def test_split_linear_computes_exactly_what_linear_computes(out_features, in_features, rows, blocks):
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_split_linear_computes_exactly_what_linear_computes(out_features, in_features, rows, blocks, with_bias):
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=gen)
     weight = torch.randn(out_features, in_features, generator=gen)
-    reference = x.double() @ weight.double().t()
-    got = split_linear(x, weight, blocks)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    reference = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
+    got = split_linear(x, weight, blocks, bias)
     torch.testing.assert_close(got.double(), reference, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-6, atol=1e-6)
+    # bf16 within its rounding; bitwise equal on the machines tried, but that is the BLAS's to promise
+    x, weight = x.bfloat16(), weight.bfloat16()
+    bias = None if bias is None else bias.bfloat16()
+    torch.testing.assert_close(split_linear(x, weight, blocks, bias), F.linear(x, weight, bias))
 
 
 def test_generation_splits_the_layers_and_keeps_the_tokens(two_threads, always_split):
@@ -101,6 +107,19 @@ def test_layers_are_restored_when_generation_fails(two_threads, always_split):
         with threaded_linears(model, 1):
             raise RuntimeError("stop")
     assert split_layers(model) == []
+
+
+def test_an_instance_forward_is_neither_replaced_nor_deleted(two_threads, always_split):
+    model = llama()
+    users_own = model.layers["0"].attention.wq.forward = lambda x: torch.zeros(x.shape[0], 64)
+    with threaded_linears(model, 1) as outer:
+        outer_forwards = {name: m.forward for name, m in model.named_modules() if "forward" in m.__dict__}
+        with threaded_linears(model, 1) as inner:  # generate inside generate: the outer's split stays
+            assert inner == 0
+        assert {name: m.forward for name, m in model.named_modules() if "forward" in m.__dict__} == outer_forwards
+    assert outer == CFG.n_layers * 7  # every block Linear but the user's, and the output head
+    assert split_layers(model) == ["layers.0.attention.wq"]
+    assert model.layers["0"].attention.wq.forward is users_own
 
 
 def test_the_split_is_kept_only_where_clearly_faster(monkeypatch):
