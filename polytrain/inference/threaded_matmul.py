@@ -11,11 +11,13 @@ block is the GEMM F.linear runs, so each output element is the same dot product 
 same order (bitwise equal in every shape tested).
 
 Whether the split is faster depends on the shape, the row count and the machine, so it is
-measured: once per (out, in, rows, dtype, threads), on the model's own weights, and kept
-only where it is clearly faster. `threaded_linears(model, rows)` then replaces the forward
-of each plain nn.Linear held on the host for the duration of generation (subclasses such as
-LoRA's, and sharded or wrapped layers, are left alone) and restores it after; the model's
-code and parameters are untouched.
+measured: once per (out, in, rows, dtype, threads), on the model's own weights, each pass
+after the model's other weights have been read (as in decoding, none is hot in a cache), and
+kept only where it is clearly faster. On a CPU whose BLAS already threads the thin product
+(an AVX-512 Xeon: F.linear reads at 25-31 GB/s with 2 threads at one row) nothing is split.
+`threaded_linears(model, rows)` then replaces the forward of each plain nn.Linear held on the
+host for the duration of generation (subclasses such as LoRA's, and sharded or wrapped layers,
+are left alone) and restores it after; the model's code and parameters are untouched.
 """
 
 from __future__ import annotations
@@ -48,29 +50,53 @@ _split_faster: dict[tuple, bool] = {}
 """(out, in, rows, dtype, threads) -> whether split_linear beat F.linear."""
 
 
-def _median_s(fn: Callable[[], object], repeats: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+FLUSH_BYTES = 512 * 1024 * 1024
+"""At most this much of the model's other weights is read before each timed pass: more than
+any last-level cache, so a shape whose weights fit in one is not timed hot in it, as decoding,
+which reads every other weight between two uses of one, never finds it."""
 
 
-def split_is_faster(weights: list[torch.Tensor], rows: int, blocks: int,
-                    time_s: Callable[[Callable[[], object]], float] = _median_s) -> bool:
+def _paired_medians(ways: list[Callable[[], object]], before: Callable[[], object],
+                    repeats: int = 3) -> list[float]:
+    """Median seconds of each way, run in turn `repeats` times after one untimed run, each
+    timed run after `before()` (which evicts the ways' operands from the caches)."""
+    times: list[list[float]] = [[] for _ in ways]
+    for repeat in range(repeats + 1):
+        for way, way_times in zip(ways, times):
+            before()
+            start = time.perf_counter()
+            way()
+            if repeat:
+                way_times.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+def _reader(tensors: list[torch.Tensor], limit: int = FLUSH_BYTES) -> Callable[[], object]:
+    """A callable that reads `tensors` in turn, up to `limit` bytes of them."""
+    chosen, total = [], 0
+    for t in tensors:
+        if total >= limit:
+            break
+        chosen.append(t)
+        total += t.numel() * t.element_size()
+    return lambda: [t.sum() for t in chosen]
+
+
+def split_is_faster(weights: list[torch.Tensor], rows: int, blocks: int, others: list[torch.Tensor] = (),
+                    time_s: Callable[..., list[float]] = _paired_medians) -> bool:
     """Whether `rows` rows times each of `weights` (one shape, out % blocks == 0) run faster split.
 
     Timed over all of the model's weights of the shape in turn, as a decoding step reads
-    them, so that a small weight is not measured hot in the cache."""
+    them, each pass after reading the model's `others` (its weights of other shapes), so that
+    a shape is measured as cold in the caches as decoding finds it: on a CPU whose last-level
+    cache holds a shape's weights, timing them hot picked the split where it is slower."""
     key = (*weights[0].shape, rows, weights[0].dtype, blocks)
     if key not in _split_faster:
         # its own generator: the global stream a caller's sampling draws from stays untouched
         x = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype, generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
-            base = time_s(lambda: [F.linear(x, w) for w in weights])
-            split = time_s(lambda: [split_linear(x, w, blocks) for w in weights])
+            base, split = time_s([lambda: [F.linear(x, w) for w in weights],
+                                  lambda: [split_linear(x, w, blocks) for w in weights]], _reader(list(others)))
         _split_faster[key] = split <= MARGIN * base
     return _split_faster[key]
 
@@ -108,8 +134,10 @@ def threaded_linears(model: nn.Module, rows: int, enabled: bool = True):
         for module in model.modules():
             if _eligible(module, blocks):
                 by_shape.setdefault((*module.weight.shape, module.weight.dtype), []).append(module)
-        for modules in by_shape.values():
-            if split_is_faster([m.weight.detach() for m in modules], rows, blocks):
+        weights = {shape: [m.weight.detach() for m in modules] for shape, modules in by_shape.items()}
+        for shape, modules in by_shape.items():
+            others = [w for other, ws in weights.items() if other != shape for w in ws]
+            if split_is_faster(weights[shape], rows, blocks, others):
                 for module in modules:
                     module.forward = _split_forward(module, rows, blocks)
                 patched += modules

@@ -31,7 +31,7 @@ def two_threads():
 @pytest.fixture
 def always_split(monkeypatch):
     """Every eligible shape counts as faster split, whatever this machine's timings say."""
-    monkeypatch.setattr(threaded_matmul, "split_is_faster", lambda weights, rows, blocks: True)
+    monkeypatch.setattr(threaded_matmul, "split_is_faster", lambda weights, rows, blocks, others: True)
 
 
 def llama() -> Llama:
@@ -128,18 +128,26 @@ def test_the_split_is_kept_only_where_clearly_faster(monkeypatch):
     calls = []
 
     def timings(*seconds):
-        it = iter(seconds)
-
-        def time_s(fn):
-            calls.append(fn)
-            return next(it)
+        def time_s(ways, before):
+            calls.append(ways)
+            return seconds
         return time_s
 
     # F.linear first, then the split: 5% faster is noise, 20% faster is kept
     assert not split_is_faster(weights, 1, 2, time_s=timings(1.0, 0.95))
     assert split_is_faster(weights, 3, 2, time_s=timings(1.0, 0.8))
     assert split_is_faster(weights, 3, 2, time_s=timings(1.0, 5.0))  # measured once per shape
-    assert len(calls) == 4
+    assert len(calls) == 2
+
+
+def test_every_timed_pass_comes_after_the_other_weights_are_read(monkeypatch):
+    events = []
+    medians = threaded_matmul._paired_medians([lambda: events.append("linear"), lambda: events.append("split")],
+                                              lambda: events.append("flush"), repeats=2)
+    assert events == ["flush", "linear", "flush", "split"] * 3 and len(medians) == 2
+    others = [torch.ones(256), torch.ones(256), torch.ones(256)]  # 1 KiB each
+    read = threaded_matmul._reader(others, limit=2048)
+    assert [float(s) for s in read()] == [256.0, 256.0]
 
 
 def test_measuring_leaves_the_global_random_stream_alone(monkeypatch):
