@@ -56,7 +56,8 @@ WAIT_TIMEOUT_S = 600.0
 LIVENESS_CHECK_S = 0.2
 """How often a waiting rank looks whether its late peers' processes still exist."""
 FAST_POLLS = 2000
-"""Flag polls (about 1 us each) before a waiting rank starts to sleep."""
+"""Flag polls (about 1 us each) before a waiting rank starts to sleep, where every rank of the
+host has its own cores; where they outnumber the cores, a waiting rank sleeps at once."""
 MIN_NAP_S, MAX_NAP_S = 50e-6, 500e-6
 """The first and the longest sleep between polls after that."""
 ENV_SWITCH = "POLYTRAIN_SHM_ALL_REDUCE"
@@ -78,6 +79,8 @@ class _Channel:
         self.flags = mapped[data_bytes:].view(torch.int64)  # (rank,)
         self.calls = 0
         self.peers = dist.get_process_group_ranks(group) if group is not None else list(range(self.size))
+        local_ranks = max(self.size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        self.fast_polls = FAST_POLLS if not oversubscribed(local_ranks, torch.get_num_threads()) else 0
 
     def all_reduce_(self, x: torch.Tensor) -> None:
         """Sum contiguous `x` over the group in place."""
@@ -140,13 +143,16 @@ class _Channel:
 
     def _wait_for_peers(self) -> None:
         """Poll the flags, yielding the core, while the peers are close behind; then sleep in
-        growing naps, so ranks that outnumber the cores (tests, tp x pp on a laptop) do not
-        take turns burning them, and look every LIVENESS_CHECK_S whether a late peer's process
-        still exists (gloo's TCP would fail at once when a peer dies; this says so too)."""
+        growing naps, and look every LIVENESS_CHECK_S whether a late peer's process still
+        exists (gloo's TCP would fail at once when a peer dies; this says so too). Ranks that
+        outnumber the cores (tests, tp x pp on a laptop) nap from the first poll: a polling rank
+        would take the core from the very peer it waits for (benchmarks/RESULTS.md, "Waiting
+        ranks nap where they outnumber the cores": tp 2 x pp 2 on 2 cores ran 1.10x faster
+        napping; tp 2 alone 1.02x faster polling)."""
         polls, nap, started, checked = 0, MIN_NAP_S / 2, None, 0.0
         while int(self.flags.min()) < self.calls:
             polls += 1
-            if polls <= FAST_POLLS:
+            if polls <= self.fast_polls:
                 os.sched_yield()
                 continue
             now = time.monotonic()
@@ -163,6 +169,12 @@ class _Channel:
                                        f"{ENV_SWITCH}=0 uses the process group's own collectives")
             nap = min(MAX_NAP_S, nap * 2)
             time.sleep(nap)
+
+
+def oversubscribed(local_ranks: int, threads_per_rank: int) -> bool:
+    """Whether this host's ranks, with their torch threads, want more cores than this process may use."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return local_ranks * threads_per_rank > cores
 
 
 def _split(flat: torch.Tensor, step: int) -> list[torch.Tensor]:

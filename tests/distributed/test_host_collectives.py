@@ -151,5 +151,12 @@ def test_a_zombie_is_not_alive():
     assert not host_collectives._alive(child.pid)
 
 
+def test_waiting_ranks_poll_only_where_every_rank_has_its_cores(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert not host_collectives.oversubscribed(2, 1)  # tp 2 on 2 cores: poll
+    assert host_collectives.oversubscribed(4, 1)  # tp 2 x pp 2 on 2 cores: nap at once
+    assert host_collectives.oversubscribed(2, 2)
+
+
 def test_shared_memory_collectives_match_gloo():
     run_ranks(3, _check)
