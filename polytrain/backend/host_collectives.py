@@ -57,7 +57,9 @@ LIVENESS_CHECK_S = 0.2
 """How often a waiting rank looks whether its late peers' processes still exist."""
 FAST_POLLS = 2000
 """Flag polls (about 1 us each) before a waiting rank starts to sleep, where every rank of the
-host has its own cores; where they outnumber the cores, a waiting rank sleeps at once."""
+host has its own cores; where they outnumber the cores, a waiting rank sleeps at once.
+POLYTRAIN_SHM_POLLS=N sets the count for every host (0: always sleep)."""
+POLLS_SWITCH = "POLYTRAIN_SHM_POLLS"
 MIN_NAP_S, MAX_NAP_S = 50e-6, 500e-6
 """The first and the longest sleep between polls after that."""
 ENV_SWITCH = "POLYTRAIN_SHM_ALL_REDUCE"
@@ -80,7 +82,9 @@ class _Channel:
         self.calls = 0
         self.peers = dist.get_process_group_ranks(group) if group is not None else list(range(self.size))
         local_ranks = max(self.size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        self.fast_polls = FAST_POLLS if not oversubscribed(local_ranks, torch.get_num_threads()) else 0
+        self.fast_polls = int(os.environ.get(POLLS_SWITCH, "-1"))
+        if self.fast_polls < 0:
+            self.fast_polls = 0 if oversubscribed(local_ranks, torch.get_num_threads()) else FAST_POLLS
 
     def all_reduce_(self, x: torch.Tensor) -> None:
         """Sum contiguous `x` over the group in place."""
