@@ -193,6 +193,10 @@ class TrainConfig:
     compile: bool = False
     """torch.compile each transformer block (regional: the blocks share one graph); the cost is reported
     after the first step."""
+    attention_fp32: bool = False
+    """bf16/fp16: run each block's attention core, softmax(q k^T) v, in fp32 (q, k, v upcast, the output
+    cast back): on CPUs torch's 16-bit flash-attention backward runs about 2x slower than its fp32 one;
+    not under context parallelism (its k/v exchanges would double)."""
 
 
 @dataclass

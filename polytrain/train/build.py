@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from polytrain.config import Config
+from polytrain.config import Config, TrainConfig
 from polytrain.distributed.activation_checkpoint import apply_activation_checkpointing
 from polytrain.distributed.context_parallel import ContextParallel
 from polytrain.distributed.context_parallel.apply import parallelize_context
@@ -42,6 +42,7 @@ from polytrain.distributed.tensor_parallel import Context, parallelize_model
 from polytrain.errors import ConfigError
 from polytrain.lora import adapter_parameter_count, apply_lora
 from polytrain.models import ARCHITECTURES
+from polytrain.train.attention_fp32 import attention_in_fp32
 from polytrain.train.compiled import CompileTimer, compile_blocks, compiled_backend
 from polytrain.train.loss import (
     ContextParallelLoss,
@@ -100,6 +101,19 @@ class BuiltModel:
     """Compile time, graphs and graph breaks of this process since the blocks were compiled (train.compile)."""
 
 
+def fp32_attention(train: TrainConfig, cp: ContextParallel | None) -> bool:
+    """Whether `train.attention_fp32` applies: 16-bit training without context parallelism."""
+    if not train.attention_fp32:
+        return False
+    if train.precision == "fp32":
+        raise ConfigError("train.attention_fp32 upcasts a 16-bit attention core: set train.precision "
+                         "bf16 or fp16, or leave it false")
+    if cp is not None:
+        raise ConfigError("train.attention_fp32 is not supported with context parallelism or "
+                         "data.packed_documents (their attention exchanges k/v, which fp32 would double)")
+    return True
+
+
 def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = None,
                 run_dir: Path | None = None, eot_id: int | None = None) -> BuiltModel:
     """`cfg.model` from the registry, laid out by `runtime` (and `pipeline`, the layout's plan).
@@ -128,10 +142,13 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
     plan = arch.tp_plan(cfg.model) if runtime.dims.tp > 1 else None
     cp = ContextParallel(runtime.cp) if runtime.cp.size > 1 or cfg.data.packed_documents else None
     tp_ctx, compiled = None, 0
+    use_fp32_attention = fp32_attention(cfg.train, cp)
     for stage in stages.values():
         if cp is not None:
             parallelize_context(stage, cp)  # first: tensor parallelism and checkpointing wrap its cores
         tp_ctx = parallelize_model(stage, plan, runtime)  # the same context kind on every stage
+        if use_fp32_attention:
+            attention_in_fp32(stage)  # compiled and recomputed with the casts
         compiled += compile_blocks(stage) if cfg.train.compile else 0  # tp inside, recomputation around
         apply_activation_checkpointing(stage, cfg.train.activation_checkpoint)
     timer = CompileTimer.started(compiled) if cfg.train.compile else None  # dp's hooks stay outside

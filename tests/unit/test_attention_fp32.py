@@ -1,0 +1,93 @@
+"""train.attention_fp32: the attention core in fp32 inside 16-bit training, its output cast back."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from polytrain.config import load_config
+from polytrain.errors import ConfigError
+from polytrain.models.common.attention import Attention
+from polytrain.train.attention_fp32 import attention_in_fp32, in_fp32
+from polytrain.train.build import fp32_attention
+from polytrain.train.trainer import Trainer
+from tests.conftest import tiny_overrides
+
+
+def _causal_attention_f64(q, k, v):
+    """softmax(q k^T / sqrt(D) + causal mask) v in float64, written out: (B, H, T, D)."""
+    q, k, v = q.double(), k.double(), v.double()
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, T, T)
+    future = torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1)
+    return scores.masked_fill(future, float("-inf")).softmax(-1) @ v
+
+
+def test_the_core_runs_in_fp32_and_returns_the_16_bit_dtype():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 64, 16, generator=gen).bfloat16() for _ in range(3))
+    layer = Attention(64, 4, 4, 0)
+    seen = []
+
+    def spy(q, k, v, mask):
+        seen.append((q.dtype, k.dtype, v.dtype, torch.is_autocast_enabled(q.device.type)))
+        return layer.core(q, k, v, mask)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as the trainer runs 16-bit steps
+        out = in_fp32(spy)(q, k, v, None)
+    assert seen == [(torch.float32, torch.float32, torch.float32, False)] and out.dtype == torch.bfloat16
+    exact = _causal_attention_f64(q, k, v)
+    fp32_error = (out.double() - exact).abs().max()
+    bf16_error = (layer.core(q, k, v, None).double() - exact).abs().max()
+    assert fp32_error <= 2 ** -8 * exact.abs().max()  # only the output's rounding to bf16
+    assert fp32_error <= bf16_error
+
+
+def test_an_additive_mask_is_upcast_with_the_inputs():
+    q = k = v = torch.ones(1, 2, 3, 4, dtype=torch.bfloat16)
+    bias = torch.zeros(1, 2, 3, 3, dtype=torch.bfloat16)
+    dtypes = []
+    in_fp32(lambda q, k, v, mask: dtypes.append(mask.dtype) or q)(q, k, v, bias)
+    assert dtypes == [torch.float32]
+
+
+def test_every_attention_layer_is_wrapped_and_parameters_are_untouched():
+    from tests.models.test_zoo import make
+
+    model = make("llama")
+    names = [name for name, _ in model.named_parameters()]
+    count = attention_in_fp32(model)
+    assert count == sum(isinstance(m, Attention) for m in model.modules()) > 0
+    assert [name for name, _ in model.named_parameters()] == names
+    assert all("core" in m.__dict__ for m in model.modules() if isinstance(m, Attention))
+
+
+def test_it_is_refused_where_it_cannot_apply():
+    cfg = load_config(None, ["--train.attention_fp32", "true"])
+    with pytest.raises(ConfigError, match="train.precision"):
+        fp32_attention(cfg.train, None)  # fp32 training: nothing to upcast
+    cfg = load_config(None, ["--train.attention_fp32", "true", "--train.precision", "bf16"])
+    assert fp32_attention(cfg.train, None)
+    with pytest.raises(ConfigError, match="context parallelism"):
+        fp32_attention(cfg.train, object())
+    assert not fp32_attention(load_config(None, ["--train.precision", "bf16"]).train, None)
+
+
+def _losses(corpus, run_dir, **extra):
+    trainer = Trainer(load_config(None, tiny_overrides(corpus, run_dir, **{"train.precision": "bf16", **extra})))
+    losses = [trainer.train_step()["loss"] for _ in range(3)]
+    timer = trainer.compile_timer
+    trainer.close()
+    return losses, timer
+
+
+def test_bf16_training_with_fp32_attention_follows_the_bf16_run(small_corpus, tmp_path):
+    plain, _ = _losses(small_corpus, tmp_path / "plain")
+    upcast, _ = _losses(small_corpus, tmp_path / "upcast", **{"train.attention_fp32": True})
+    assert upcast != plain  # the attention really ran otherwise
+    torch.testing.assert_close(upcast, plain, rtol=2e-2, atol=0)  # within bf16's rounding of a few steps
+    compiled, timer = _losses(small_corpus, tmp_path / "compiled", **{"train.attention_fp32": True,
+                                                                       "train.compile": True})
+    assert timer.breaks == 0 and timer.graphs == 1 + 2  # the blocks still share one graph
+    torch.testing.assert_close(compiled, upcast, rtol=1e-2, atol=0)
