@@ -195,8 +195,8 @@ class TrainConfig:
     after the first step."""
     attention_fp32: bool = False
     """bf16/fp16: run each block's attention core, softmax(q k^T) v, in fp32 (q, k, v upcast, the output
-    cast back): on CPUs torch's 16-bit flash-attention backward runs about 2x slower than its fp32 one;
-    not under context parallelism (its k/v exchanges would double)."""
+    cast back): faster on CPUs for small heads (head_dim 32: 1.4x), slower for wide ones and long
+    sequences (benchmarks/attention_precision.py measures a shape); not under context parallelism."""
 
 
 @dataclass

@@ -1,14 +1,17 @@
 """The attention core in fp32 inside 16-bit training (`train.attention_fp32`).
 
 With bf16 model states every tensor of a block is bf16, the attention core's too. On the
-host CPU torch's bf16 flash-attention backward is about twice as slow as its fp32 one
-(llama tiny's (8, 6, 256, 32) heads, one thread: 17.6 ms against 8.1 ms; the forward 2.3
-against 3.6 ms), so computing softmax(q k^T) v in fp32 and casting the output back is faster
-there, and more exact. Like activation checkpointing, it is applied from outside the model:
-each attention layer's `core` (Attention.core's contract: q (B, H, T, D), k and v (B, Hkv,
-S, D), mask) is replaced on the instance by one that upcasts its inputs, so module names,
-parameters and checkpoints are untouched. Applied after tensor parallelism (which sees the
-same core) and before compilation and recomputation (which then include the casts).
+host CPU torch's bf16 flash-attention backward is slow for small heads: at llama tiny's
+(8, 6, 256, 32), forward and backward with q, k, v upcast and the output cast back take
+13.4 ms against 18.4 ms in bf16 on one thread (1.37x; 1.48x on two). For 64-wide heads it is
+level or slower (0.86-0.98x at seq 256, 0.61-0.66x at seq 1024), so it is a switch, not a
+default: `benchmarks/attention_precision.py --shapes B,H,T,D` says which way a model's heads
+go (benchmarks/RESULTS.md, "The attention core in bf16 against fp32 on the CPU"). Like
+activation checkpointing, it is applied from outside the model: each attention layer's `core`
+(Attention.core's contract: q (B, H, T, D), k and v (B, Hkv, S, D), mask) is replaced on the
+instance by one that upcasts its inputs, so module names, parameters and checkpoints are
+untouched. Applied after tensor parallelism (which sees the same core) and before compilation
+and recomputation (which then include the casts).
 """
 
 from __future__ import annotations
