@@ -82,8 +82,8 @@ class _Channel:
         self.calls = 0
         self.peers = dist.get_process_group_ranks(group) if group is not None else list(range(self.size))
         local_ranks = max(self.size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        self.fast_polls = int(os.environ.get(POLLS_SWITCH, "-1"))
-        if self.fast_polls < 0:
+        self.fast_polls = _polls_setting()
+        if self.fast_polls is None:
             self.fast_polls = 0 if oversubscribed(local_ranks, torch.get_num_threads()) else FAST_POLLS
 
     def all_reduce_(self, x: torch.Tensor) -> None:
@@ -152,7 +152,7 @@ class _Channel:
         outnumber the cores (tests, tp x pp on a laptop) nap from the first poll: a polling rank
         would take the core from the very peer it waits for (benchmarks/RESULTS.md, "Waiting
         ranks nap where they outnumber the cores": tp 2 x pp 2 on 2 cores ran 1.10x faster
-        napping; tp 2 alone 1.02x faster polling)."""
+        napping; tp 2 alone 1.01x faster polling)."""
         polls, nap, started, checked = 0, MIN_NAP_S / 2, None, 0.0
         while int(self.flags.min()) < self.calls:
             polls += 1
@@ -173,6 +173,16 @@ class _Channel:
                                        f"{ENV_SWITCH}=0 uses the process group's own collectives")
             nap = min(MAX_NAP_S, nap * 2)
             time.sleep(nap)
+
+
+def _polls_setting() -> int | None:
+    """POLYTRAIN_SHM_POLLS as a count, None where it is not set."""
+    value = os.environ.get(POLLS_SWITCH, "")
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{POLLS_SWITCH}={value!r}: give a count of flag polls (0: always sleep)")
+    return int(value)
 
 
 def oversubscribed(local_ranks: int, threads_per_rank: int) -> bool:

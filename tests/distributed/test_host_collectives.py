@@ -156,6 +156,13 @@ def test_waiting_ranks_poll_only_where_every_rank_has_its_cores(monkeypatch):
     assert not host_collectives.oversubscribed(2, 1)  # tp 2 on 2 cores: poll
     assert host_collectives.oversubscribed(4, 1)  # tp 2 x pp 2 on 2 cores: nap at once
     assert host_collectives.oversubscribed(2, 2)
+    monkeypatch.setenv(host_collectives.POLLS_SWITCH, "7")
+    assert host_collectives._polls_setting() == 7
+    monkeypatch.setenv(host_collectives.POLLS_SWITCH, "many")
+    with pytest.raises(ValueError, match="POLYTRAIN_SHM_POLLS='many'"):
+        host_collectives._polls_setting()
+    monkeypatch.delenv(host_collectives.POLLS_SWITCH)
+    assert host_collectives._polls_setting() is None
 
 
 def test_shared_memory_collectives_match_gloo():
