@@ -204,6 +204,12 @@ def validate(cfg: Config) -> None:
     if t.autocast_only and t.precision == "fp32":
         raise ConfigError("train.autocast_only applies to train.precision bf16 or fp16; remove it or set "
                           "the precision")
+    if t.attention_fp32 and t.precision == "fp32":
+        raise ConfigError("train.attention_fp32 upcasts a 16-bit attention core: set train.precision "
+                          "bf16 or fp16, or leave it false")
+    if t.attention_fp32 and (cfg.parallel.cp > 1 or cfg.data.packed_documents):
+        raise ConfigError("train.attention_fp32 is not supported with parallel.cp > 1 or "
+                          "data.packed_documents (their attention exchanges k and v, which fp32 would double)")
     if t.precision == "fp16" and (t.initial_scale_power < 0 or t.loss_scale < 0 or t.hysteresis < 1
                                   or t.loss_scale_window < 1 or t.min_loss_scale <= 0):
         raise ConfigError("fp16 loss scaling needs loss_scale >= 0, initial_scale_power >= 0, "

@@ -102,16 +102,9 @@ class BuiltModel:
 
 
 def fp32_attention(train: TrainConfig, cp: ContextParallel | None) -> bool:
-    """Whether `train.attention_fp32` applies: 16-bit training without context parallelism."""
-    if not train.attention_fp32:
-        return False
-    if train.precision == "fp32":
-        raise ConfigError("train.attention_fp32 upcasts a 16-bit attention core: set train.precision "
-                         "bf16 or fp16, or leave it false")
-    if cp is not None:
-        raise ConfigError("train.attention_fp32 is not supported with context parallelism or "
-                         "data.packed_documents (their attention exchanges k/v, which fp32 would double)")
-    return True
+    """Whether `train.attention_fp32` applies: a 16-bit model (an RLHF role may run in fp32 under a
+    16-bit train.precision: nothing to upcast) without context parallelism (refused at validation)."""
+    return train.attention_fp32 and train.precision != "fp32" and cp is None
 
 
 def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = None,

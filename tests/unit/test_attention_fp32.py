@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -64,13 +65,14 @@ def test_every_attention_layer_is_wrapped_and_parameters_are_untouched():
 
 
 def test_it_is_refused_where_it_cannot_apply():
-    cfg = load_config(None, ["--train.attention_fp32", "true"])
     with pytest.raises(ConfigError, match="train.precision"):
-        fp32_attention(cfg.train, None)  # fp32 training: nothing to upcast
+        load_config(None, ["--train.attention_fp32", "true"])  # fp32 training: nothing to upcast
+    for where in (["--parallel.cp", "2"], ["--data.packed_documents", "true"]):
+        with pytest.raises(ConfigError, match="parallel.cp > 1 or data.packed_documents"):
+            load_config(None, ["--train.attention_fp32", "true", "--train.precision", "bf16", *where])
     cfg = load_config(None, ["--train.attention_fp32", "true", "--train.precision", "bf16"])
     assert fp32_attention(cfg.train, None)
-    with pytest.raises(ConfigError, match="context parallelism"):
-        fp32_attention(cfg.train, object())
+    assert not fp32_attention(dataclasses.replace(cfg.train, precision="fp32"), None)  # an fp32 RLHF role
     assert not fp32_attention(load_config(None, ["--train.precision", "bf16"]).train, None)
 
 
