@@ -32,8 +32,9 @@ def group_name(group: dist.ProcessGroup | None) -> str:
 @torch.library.custom_op("polytrain::host_all_reduce", mutates_args=())
 def host_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     group = _resolve_process_group(group_name)
-    out = x.clone(memory_format=torch.contiguous_format)
-    if not host_collectives.all_reduce_(out, group):
+    out = host_collectives.all_reduce(x, group)
+    if out is None:
+        out = x.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(out, group=group)
     return out
 

@@ -86,11 +86,14 @@ class _Channel:
         if self.fast_polls is None:
             self.fast_polls = 0 if oversubscribed(local_ranks, torch.get_num_threads()) else FAST_POLLS
 
-    def all_reduce_(self, x: torch.Tensor) -> None:
-        """Sum contiguous `x` over the group in place."""
-        pieces = _split(x.view(-1), SLOT_BYTES // x.element_size())
-        for piece, slots in zip(pieces, self._exchange(pieces)):
-            self._sum(slots, piece)
+    def all_reduce(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """Sum contiguous `x` over the group into contiguous `out` of its shape (`x` itself: in place).
+
+        A piece of `x` is published before its part of `out` is written, and no later piece reads it."""
+        step = SLOT_BYTES // x.element_size()
+        pieces = _split(x.view(-1), step)
+        for target, slots in zip(_split(out.view(-1), step), self._exchange(pieces)):
+            self._sum(slots, target)
 
     def reduce_scatter_(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """This rank's row of the sum of every rank's contiguous `x` (n * S,) into `out` (S,).
@@ -264,7 +267,16 @@ def all_reduce_(x: torch.Tensor, group: ProcessGroup | None) -> bool:
     """Sum `x` over `group` in place through shared memory; False (nothing done) where this call
     or group cannot take the shared path (`usable`, ranks on several hosts): the caller then uses
     the process group. Collective: every rank of the group calls it."""
-    return _run(_Channel.all_reduce_, x, group, x)
+    return _run(_Channel.all_reduce, x, group, x, x)
+
+
+def all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor | None:
+    """The sum of `x` over `group` in a new contiguous tensor through shared memory (`x` is left
+    alone, and not copied first as a clone for `all_reduce_` would be); None (nothing done) as
+    `all_reduce_`. Collective."""
+    source = x.contiguous()  # x itself where it is contiguous
+    out = torch.empty_like(source)
+    return out if _run(_Channel.all_reduce, source, group, out, source) else None
 
 
 def all_gather_(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | None) -> bool:

@@ -133,9 +133,9 @@ def all_reduce(x: torch.Tensor, group: ProcessGroup | None,
         record("all_reduce", 2 * (n - 1) / n * _nbytes(x), _group_peers(group))
     if op == dist.ReduceOp.SUM and _traced_host(x):
         return host_collective_ops.host_all_reduce(x, host_collective_ops.group_name(group))
+    if op == dist.ReduceOp.SUM and (out := host_collectives.all_reduce(x, group)) is not None:
+        return out  # summed through shared memory at once, from x into a new tensor
     out = x.clone(memory_format=torch.contiguous_format)
-    if op == dist.ReduceOp.SUM and host_collectives.all_reduce_(out, group):  # shared memory, at once
-        return out
     dist.all_reduce(out, op=op, group=group)
     return out
 
@@ -153,13 +153,13 @@ def start_all_reduce(x: torch.Tensor, group: ProcessGroup | None) -> tuple[torch
     memory (nothing to wait for). Eager only: a compiled graph traces the blocking all_reduce above.
     """
     n = group_size(group)
-    out = x.clone(memory_format=torch.contiguous_format)
     if n == 1:
-        return out, None
+        return x.clone(memory_format=torch.contiguous_format), None
     if _counters:
         record("all_reduce", 2 * (n - 1) / n * _nbytes(x), _group_peers(group))
-    if host_collectives.all_reduce_(out, group):
+    if (out := host_collectives.all_reduce(x, group)) is not None:
         return out, None
+    out = x.clone(memory_format=torch.contiguous_format)
     return out, dist.all_reduce(out, group=group, async_op=True)
 
 

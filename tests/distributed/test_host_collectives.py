@@ -61,12 +61,14 @@ def _check(rank: int, world_size: int) -> None:
         for _ in range(3):  # both buffer sets, reused
             for numel, dtype in cases:
                 x = torch.randn(numel, generator=generator).to(dtype)
-                reference = x.clone()
+                sent, reference = x.clone(), x.clone()
                 dist.all_reduce(reference, group=group)  # gloo's own
                 ours = all_reduce(x, group)
                 started, work = start_all_reduce(x, group)
                 assert work is None  # done at once
                 assert torch.equal(ours, started) and _same_on_every_rank(ours, group)
+                assert torch.equal(x, sent)  # the input is left alone
+                assert host_collectives.all_reduce_(sent, group) and torch.equal(sent, ours)  # in place: same bits
                 if members == 2:  # a + b in either order: the same bits
                     assert torch.equal(ours, reference)
                 else:  # against the float64 sum, to within two roundings in the dtype
@@ -102,6 +104,10 @@ def _check(rank: int, world_size: int) -> None:
                     reference = x.new_empty(numel)
                     dist.reduce_scatter_single(reference, x.clone(), group=group)
                     assert torch.equal(ours, reference)
+        columns = torch.randn(33, 64, generator=generator).t()  # not contiguous: summed from a copy
+        reference = columns.contiguous()
+        dist.all_reduce(reference, group=group)
+        assert torch.equal(all_reduce(columns, group), reference) or members > 2
         key = group if group is not None else dist.group.WORLD
         assert host_collectives._channels[key].calls >= 10 * len(cases)  # it went through shared memory
         _compiled_graph_shares(group, members, generator)
