@@ -49,6 +49,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from polytrain.backend import futex
+
 SLOT_BYTES = 4 * 1024 * 1024
 """One rank's part of one buffer set: a (2048, 512) fp32 tensor in one piece."""
 WAIT_TIMEOUT_S = 600.0
@@ -58,10 +60,11 @@ LIVENESS_CHECK_S = 0.2
 FAST_POLLS = 2000
 """Flag polls (about 1 us each) before a waiting rank starts to sleep, where every rank of the
 host has its own cores; where they outnumber the cores, a waiting rank sleeps at once.
-POLYTRAIN_SHM_POLLS=N sets the count for every host (0: always sleep)."""
+POLYTRAIN_SHM_POLLS=N sets the count for every host (0: always sleep). It sleeps on the late
+peer's flag as a futex (backend/futex.py), woken by the peer the moment it writes it."""
 POLLS_SWITCH = "POLYTRAIN_SHM_POLLS"
 MIN_NAP_S, MAX_NAP_S = 50e-6, 500e-6
-"""The first and the longest sleep between polls after that."""
+"""Without futexes (not x86-64 Linux): the first and the longest timed nap between polls."""
 ENV_SWITCH = "POLYTRAIN_SHM_ALL_REDUCE"
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
 
@@ -145,17 +148,21 @@ class _Channel:
             slots = self.data[self.calls % 2, :, :nbytes].view(piece.dtype).view(self.size, *piece.shape)
             slots[self.rank].copy_(piece)
             self.flags[self.rank] = self.calls
+            if futex.AVAILABLE:
+                futex.wake(self._flag_address(self.rank))  # peers asleep on this flag run at once
             self._wait_for_peers()
             yield slots
 
     def _wait_for_peers(self) -> None:
-        """Poll the flags, yielding the core, while the peers are close behind; then sleep in
-        growing naps, and look every LIVENESS_CHECK_S whether a late peer's process still
-        exists (gloo's TCP would fail at once when a peer dies; this says so too). Ranks that
-        outnumber the cores (tests, tp x pp on a laptop) nap from the first poll: a polling rank
-        would take the core from the very peer it waits for (benchmarks/RESULTS.md, "Waiting
-        ranks nap where they outnumber the cores": tp 2 x pp 2 on 2 cores ran 1.10x faster
-        napping; tp 2 alone 1.01x faster polling)."""
+        """Poll the flags, yielding the core, while the peers are close behind; then sleep on a
+        late peer's flag until it is written (a futex; elsewhere growing timed naps), and look
+        every LIVENESS_CHECK_S whether a late peer's process still exists (gloo's TCP would fail
+        at once when a peer dies; this says so too). Ranks that outnumber the cores (tests,
+        tp x pp on a laptop) sleep from the first poll: a polling rank would take the core from
+        the very peer it waits for (benchmarks/RESULTS.md, "Waiting ranks nap where they
+        outnumber the cores": tp 2 x pp 2 on 2 cores ran 1.10x faster napping; tp 2 alone 1.01x
+        faster polling; "Waiting ranks sleep on a futex": napping woke up to 500 us late,
+        a futex at once)."""
         polls, nap, started, checked = 0, MIN_NAP_S / 2, None, 0.0
         while int(self.flags.min()) < self.calls:
             polls += 1
@@ -174,8 +181,17 @@ class _Channel:
                         "(a peer hangs or runs other collectives)")
                     raise RuntimeError(f"shared-memory collective #{self.calls}: {what}; "
                                        f"{ENV_SWITCH}=0 uses the process group's own collectives")
+            if futex.AVAILABLE:  # asleep until the late peer writes its flag (woken at once)
+                peer = next((i for i, f in enumerate(self.flags.tolist()) if f < self.calls), None)
+                if peer is not None:
+                    futex.wait(self._flag_address(peer), int(self.flags[peer]), LIVENESS_CHECK_S)
+                continue
             nap = min(MAX_NAP_S, nap * 2)
             time.sleep(nap)
+
+    def _flag_address(self, rank: int) -> int:
+        """Address of the low 32 bits of `rank`'s int64 flag (x86-64 is little-endian): the futex word."""
+        return self.flags.data_ptr() + rank * self.flags.element_size()
 
 
 def _polls_setting() -> int | None:
