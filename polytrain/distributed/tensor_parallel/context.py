@@ -26,6 +26,7 @@ from polytrain.distributed.collectives import (
 from polytrain.distributed.rng import DropoutRNG
 from polytrain.distributed.tensor_parallel.overlap import RegionCall
 from polytrain.distributed.tensor_parallel.cross_entropy import vocab_parallel_logprobs, vocab_parallel_loss
+from polytrain.distributed.tensor_parallel.local_shard import local_shard
 
 SEQ_DIM = 1
 
@@ -111,7 +112,7 @@ class TPContext:
         Under SP each rank applies it to its own tokens only, so its gradient on each rank
         is a partial sum; copy_to_tp's backward adds them up.
         """
-        local = param.to_local()
+        local = local_shard(param)
         return copy_to_tp(local, self.group) if self.sp_active else local
 
     def residual_rng(self, training: bool) -> ContextManager:

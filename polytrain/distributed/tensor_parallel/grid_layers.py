@@ -16,6 +16,7 @@ from torch.distributed.tensor import Shard
 
 from polytrain.distributed.collectives import sum_across
 from polytrain.distributed.tensor_parallel.grid import Grid
+from polytrain.distributed.tensor_parallel.local_shard import local_shard
 
 
 class GridNorm(nn.Module):
@@ -48,9 +49,9 @@ class GridNorm(nn.Module):
         if self.layer_norm:
             xf = xf - sum_across(xf.sum(-1, keepdim=True), group) / self.dim
         normed = xf * torch.rsqrt(sum_across(xf.pow(2).sum(-1, keepdim=True), group) / self.dim + self.eps)
-        out = normed * self.grid.shared(self.weight.to_local(), *self.batch_axes).float()
+        out = normed * self.grid.shared(local_shard(self.weight), *self.batch_axes).float()
         if self.bias is not None:
-            out = out + self.grid.shared(self.bias.to_local(), *self.batch_axes).float()
+            out = out + self.grid.shared(local_shard(self.bias), *self.batch_axes).float()
         return out.to(x.dtype)
 
     def extra_repr(self) -> str:

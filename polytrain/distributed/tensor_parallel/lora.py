@@ -26,6 +26,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from polytrain.distributed.collectives import copy_to_tp
 from polytrain.distributed.tensor_parallel.context import TPContext
+from polytrain.distributed.tensor_parallel.local_shard import local_shard
 from polytrain.distributed.tensor_parallel.one_d import ColumnParallelLinear, RowParallelLinear
 from polytrain.lora import LoRALinear, lora_update
 
@@ -41,8 +42,8 @@ class ColumnParallelLoRA(ColumnParallelLinear):
         self.lora_b = ctx.distribute(linear.lora_b, [Replicate() if self.rows is not None else Shard(0)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = copy_to_tp(self.lora_a.to_local(), self.ctx.group)  # (r, in); backward sums the ranks' dA
-        b = self.lora_b.to_local()  # (out/tp, r), or (out, r) for shared units
+        a = copy_to_tp(local_shard(self.lora_a), self.ctx.group)  # (r, in); backward sums the ranks' dA
+        b = local_shard(self.lora_b)  # (out/tp, r), or (out, r) for shared units
         if self.rows is not None:
             b = copy_to_tp(b, self.ctx.group)[self.rows]  # (unit, r)
         return super().forward(x) + lora_update(x, a, b, self.scaling, self.dropout, self.training)
@@ -58,8 +59,8 @@ class RowParallelLoRA(RowParallelLinear):
         self.lora_b = ctx.distribute(linear.lora_b, [Replicate()])  # (out, r)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
-        b = copy_to_tp(self.lora_b.to_local(), self.ctx.group)  # backward sums the ranks' partial dB
+        b = copy_to_tp(local_shard(self.lora_b), self.ctx.group)  # backward sums the ranks' partial dB
         with self.ctx.sharded_rng(self.training):
             # x (B, T, in/tp) A_local^T: a partial sum of x A^T, so the update is partial too (B, T, out)
-            update = lora_update(x, self.lora_a.to_local(), b, self.scaling, self.dropout, self.training)
+            update = lora_update(x, local_shard(self.lora_a), b, self.scaling, self.dropout, self.training)
         return super().partial(x) + update

@@ -34,6 +34,7 @@ from torch.distributed.tensor import Replicate, Shard
 from polytrain.distributed.collectives import copy_to_tp, gather_from_tp
 from polytrain.distributed.linear_cross_entropy import ScoringHead, chunk_tokens, linear_cross_entropy
 from polytrain.distributed.tensor_parallel.context import SEQ_DIM, TPContext
+from polytrain.distributed.tensor_parallel.local_shard import local_shard
 from polytrain.distributed.tensor_parallel.overlap import RegionCall, enter_overlapped
 from polytrain.distributed.tensor_parallel.shards import shard_range, shard_sizes
 
@@ -71,8 +72,8 @@ class ColumnParallelLinear(nn.Module):
         deferred = call.linear(self, x) if call is not None else None  # weight gradient at the entry
         if deferred is not None:
             return deferred  # (B, T, out/tp)
-        w = self.weight.to_local()  # (out/tp, in), or (out, in) for shared units
-        b = self.bias.to_local() if self.bias is not None else None
+        w = local_shard(self.weight)  # (out/tp, in), or (out, in) for shared units
+        b = local_shard(self.bias) if self.bias is not None else None
         if self.rows is not None:
             w = copy_to_tp(w, self.ctx.group)[self.rows]  # (unit, in)
             b = copy_to_tp(b, self.ctx.group)[self.rows] if b is not None else None
@@ -107,7 +108,7 @@ class RowParallelLinear(nn.Module):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum (B, T, out) of y without the bias, before leaving the region."""
-        return F.linear(x, self.weight.to_local())
+        return F.linear(x, local_shard(self.weight))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, tp={self.ctx.size}"
@@ -129,7 +130,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = ctx.distribute(embedding.weight, [Shard(0)])
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        w = self.weight.to_local()  # (V_local, D)
+        w = local_shard(self.weight)  # (V_local, D)
         local = tokens - self.start  # (B, T)
         inside = (local >= 0) & (local < w.shape[0])
         if w.shape[0] == 0:  # an empty shard (tiny vocabulary, large tp): contributes zeros
@@ -162,12 +163,12 @@ class VocabParallelHead(ScoringHead, nn.Module):
 
     def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean loss of hidden (B, T, D) or under SP (B, T/tp, D) against targets (B, T); equal on all tp ranks."""
-        bias = self.bias.to_local() if self.bias is not None else None
+        bias = local_shard(self.bias) if self.bias is not None else None
         hidden = self.ctx.enter(hidden)  # (B, T, D) on every rank
         # Every rank must run as many chunks (one all-gather each): sized by the largest shard.
         chunk = chunk_tokens(hidden.numel() // self.in_features, self.in_features,
                              max(shard_sizes(self.out_features, self.ctx.size)))
-        return linear_cross_entropy(hidden, self.weight.to_local(), bias, targets, chunk,
+        return linear_cross_entropy(hidden, local_shard(self.weight), bias, targets, chunk,
                                     vocab_start=self.vocab_start, group=self.ctx.group,
                                     compile_backend=self.compile_backend)
 
@@ -175,8 +176,8 @@ class VocabParallelHead(ScoringHead, nn.Module):
         scored = self.scored_forward(h)
         if scored is not None:
             return scored
-        bias = self.bias.to_local() if self.bias is not None else None
-        logits = F.linear(self.ctx.enter(h), self.weight.to_local(), bias)  # (B, T, V/tp)
+        bias = local_shard(self.bias) if self.bias is not None else None
+        logits = F.linear(self.ctx.enter(h), local_shard(self.weight), bias)  # (B, T, V/tp)
         if self.ctx.full_logits:
             logits = gather_from_tp(logits, -1, shard_sizes(self.out_features, self.ctx.size), self.ctx.group)
         return logits
@@ -266,7 +267,7 @@ def column_table(module: nn.Module, ctx: TPContext) -> nn.Module:
     inner = module.forward
 
     def forward(ids: torch.Tensor) -> torch.Tensor:
-        with _local_parameters(module, {"weight": module.weight.to_local()}):
+        with _local_parameters(module, {"weight": local_shard(module.weight)}):
             return inner(ids)
 
     module.forward = forward

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from polytrain.distributed.collectives import all_gather, start_all_reduce, start_reduce_scatter
+from polytrain.distributed.tensor_parallel.local_shard import local_shard
 
 
 @dataclass
@@ -90,7 +91,7 @@ def enter_overlapped(call: RegionCall, xs: tuple[torch.Tensor, ...], group: Proc
     has_bias = [c.bias is not None for c in call.columns]
     flat = []  # each column's local weight (out/tp, in), then its bias (out/tp,) if it has one
     for column, bias in zip(call.columns, has_bias):
-        flat += [column.weight.to_local(), column.bias.to_local()] if bias else [column.weight.to_local()]
+        flat += [local_shard(column.weight), local_shard(column.bias)] if bias else [local_shard(column.weight)]
     call.records = [[] for _ in call.columns]
     out = _Entry.apply(call.records, has_bias, group, seq_dim, len(xs), *xs, *flat)
     call.inputs, passed = out[:len(xs)], iter(out[len(xs):])

@@ -41,6 +41,7 @@ from polytrain.distributed.tensor_parallel.grid_layers import (
     grid_roles,
     lookup,
 )
+from polytrain.distributed.tensor_parallel.local_shard import local_shard
 
 # The head's logits: sequences by (k, i), vocabulary by j.
 LOGITS_BATCH_AXES, LOGITS_VOCAB_AXIS = ("tp_k", "tp_i"), "tp_j"
@@ -66,10 +67,10 @@ class SummaLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g = self.grid
-        w = g.shared(self.weight.to_local(), "tp_k")  # (out/q, in/q); depth layers' gradients summed
+        w = g.shared(local_shard(self.weight), "tp_k")  # (out/q, in/q); depth layers' gradients summed
         x_row = x if self.row_input else gather_from_sp(x, -1, g.along("tp_j"))  # (b, T, in): my row's blocks
         w_col = gather_from_sp(w, 1, g.along("tp_i"))  # (out/q, in): my grid column's weight blocks
-        b = g.shared(self.bias.to_local(), "tp_i", "tp_k") if self.bias is not None else None
+        b = g.shared(local_shard(self.bias), "tp_i", "tp_k") if self.bias is not None else None
         return F.linear(x_row, w_col, b)  # (b, T, out/q)
 
     def extra_repr(self) -> str:
@@ -98,7 +99,7 @@ class SummaEmbedding(nn.Module):
         g = self.grid
         batch_block(tokens, g.size("tp_k") * g.q, g.mode)
         mine = tokens.chunk(g.size("tp_k"))[g.coord("tp_k")]  # (B/d, T): this depth layer's sequences
-        partial = lookup(mine, g.shared(self.weight.to_local(), "tp_k"), self.start)  # (B/d, T, D/q)
+        partial = lookup(mine, g.shared(local_shard(self.weight), "tp_k"), self.start)  # (B/d, T, D/q)
         return reduce_scatter_to_sp(partial, 0, g.along("tp_i"))  # (B/(dq), T, D/q)
 
     def extra_repr(self) -> str:

@@ -40,6 +40,7 @@ from polytrain.distributed.tensor_parallel.grid_layers import (
     grid_roles,
     lookup,
 )
+from polytrain.distributed.tensor_parallel.local_shard import local_shard
 
 # The head's logits are in layout L1: sequences by (i, l), vocabulary by j.
 LOGITS_BATCH_AXES, LOGITS_VOCAB_AXIS = ("tp_i", "tp_l"), "tp_j"
@@ -68,11 +69,11 @@ class Linear3D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g = self.grid
         x_block = gather_from_sp(x, 0, g.along(self.gather))  # (B/q, T, in/q): sequences i, features `scatter`
-        w_block = gather_from_sp(self.weight.to_local(), 0, g.along("tp_i"))  # (out/q, in/q)
+        w_block = gather_from_sp(local_shard(self.weight), 0, g.along("tp_i"))  # (out/q, in/q)
         partial = F.linear(x_block, w_block)  # (B/q, T, out/q): a part of the sum over in blocks
         y = reduce_scatter_to_sp(partial, 0, g.along(self.scatter))  # (B/q^2, T, out/q)
         if self.bias is not None:
-            y = y + g.shared(self.bias.to_local(), "tp_i", self.scatter)
+            y = y + g.shared(local_shard(self.bias), "tp_i", self.scatter)
         return y
 
     def extra_repr(self) -> str:
@@ -102,7 +103,7 @@ class Embedding3D(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         g = self.grid
         batch_block(tokens, g.q * g.q, g.mode)
-        partial = lookup(tokens, self.weight.to_local(), self.start)  # (B, T, D/q)
+        partial = lookup(tokens, local_shard(self.weight), self.start)  # (B, T, D/q)
         by_i = reduce_scatter_to_sp(partial, 0, g.along("tp_i"))  # (B/q, T, D/q)
         return reduce_scatter_to_sp(by_i, 0, g.along("tp_j"))  # (B/q^2, T, D/q)
 
