@@ -3,9 +3,10 @@
 `param.to_local()` is what a tp layer multiplies with; its backward wraps the shard's
 gradient back into a DTensor of the parameter's placements, and where the parameter already
 has a gradient (micro-batches after the first, a pipeline's later micro-batches) autograd
-adds the two DTensors through DTensor's dispatch. Both are Python: ~70 us per use of a
-weight, some hundred uses per micro-batch at gpt2 small, 3-5% of a tp 2 x pp 2 step at
-micro-batch 2 (benchmarks/RESULTS.md, "A tp weight's gradient without DTensor's dispatch").
+adds the two DTensors through DTensor's dispatch. Both are Python, paid per use of a weight
+and micro-batch (some hundred uses per micro-batch at gpt2 small): `local_shard` took a
+tp 2 x pp 2 step at micro-batch 2 from 948 to 915 ms (benchmarks/RESULTS.md, "Waiting ranks
+sleep on a futex, and tp weights' gradients skip DTensor's dispatch").
 
 `local_shard(param)` does the same with the parameter's own spec (the gradient of a shard has
 the shard's layout: nothing to compute or check) and, where a gradient is already there,
