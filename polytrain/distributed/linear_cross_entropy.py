@@ -113,7 +113,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_b += bias_sum
             if want_h:
                 grad_h[rows] = (grad @ weight_low).float().div_(count if scale is None else count * scale)
-            if want_w:
+            if want_w and scale is None and grad.dtype == grad_w.dtype:  # fp32: summed inside the GEMM
+                grad_w.addmm_(grad.t(), h)  # (V_local, D), no (V_local, D) product to add afterwards
+            elif want_w:
                 grad_w += (grad.t() @ h).float() if scale is None else (grad.t() @ h).float().div_(scale)
         for summed in (grad_w, grad_b):  # sums over tokens -> the gradients of the mean loss
             if summed is not None:
