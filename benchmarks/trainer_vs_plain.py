@@ -77,7 +77,8 @@ def config_overrides(args: argparse.Namespace) -> list[str]:
             "--data.seq_len", str(args.seq_len),
             "--train.micro_batch_size", str(args.micro_batch),
             "--train.global_batch_size", str(args.global_batch),
-            "--train.precision", args.precision]
+            "--train.precision", args.precision,
+            "--train.attention_fp32", "false"]  # the plain loop runs its bf16 attention core in bf16
 
 
 # ----- part 1: one process -------------------------------------------------------------

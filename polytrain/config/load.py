@@ -53,6 +53,8 @@ def _coerce(key: str, value: Any, want: type, from_text: bool) -> Any:
     else:
         if want is float and isinstance(value, int) and not isinstance(value, bool):
             return float(value)
+        if want is str and isinstance(value, bool):  # a switch with more settings than on/off
+            return "true" if value else "false"     # (train.attention_fp32 = true): the choices check it
         if type(value) is want:
             return value
     example = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[want]
@@ -204,10 +206,10 @@ def validate(cfg: Config) -> None:
     if t.autocast_only and t.precision == "fp32":
         raise ConfigError("train.autocast_only applies to train.precision bf16 or fp16; remove it or set "
                           "the precision")
-    if t.attention_fp32 and t.precision == "fp32":
+    if t.attention_fp32 == "true" and t.precision == "fp32":
         raise ConfigError("train.attention_fp32 upcasts a 16-bit attention core: set train.precision "
-                          "bf16 or fp16, or leave it false")
-    if t.attention_fp32 and (cfg.parallel.cp > 1 or cfg.data.packed_documents):
+                          "bf16 or fp16, or leave it auto")
+    if t.attention_fp32 == "true" and (cfg.parallel.cp > 1 or cfg.data.packed_documents):
         raise ConfigError("train.attention_fp32 is not supported with parallel.cp > 1 or "
                           "data.packed_documents (their attention exchanges k and v, which fp32 would double)")
     if t.precision == "fp16" and (t.initial_scale_power < 0 or t.loss_scale < 0 or t.hysteresis < 1

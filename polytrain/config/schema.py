@@ -193,10 +193,12 @@ class TrainConfig:
     compile: bool = False
     """torch.compile each transformer block (regional: the blocks share one graph); the cost is reported
     after the first step."""
-    attention_fp32: bool = False
+    attention_fp32: str = _choices("auto", "true", "false")
     """bf16/fp16: run each block's attention core, softmax(q k^T) v, in fp32 (q, k, v upcast, the output
-    cast back): faster on CPUs for small heads (head_dim 32: 1.4x), slower for wide ones and long
-    sequences (benchmarks/attention_precision.py measures a shape); not under context parallelism."""
+    cast back) where it trains faster: on CPUs for narrow heads and short sequences (head_dim 32 at 256
+    tokens: 1.3-1.5x), slower for wide heads and long ones. auto = on for a CPU run whose heads are at most
+    32 wide at data.seq_len <= 512 (not under context parallelism); true = always; false = never
+    (benchmarks/attention_precision.py measures a shape)."""
 
 
 @dataclass

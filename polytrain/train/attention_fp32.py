@@ -1,12 +1,15 @@
 """The attention core in fp32 inside 16-bit training (`train.attention_fp32`).
 
 With bf16 model states every tensor of a block is bf16, the attention core's too. On the
-host CPU torch's bf16 flash-attention backward is slow for small heads: at llama tiny's
+host CPU torch's bf16 flash-attention backward is slow for narrow heads: at llama tiny's
 (8, 6, 256, 32), forward and backward with q, k, v upcast and the output cast back take
-13.4 ms against 18.4 ms in bf16 on one thread (1.37x; 1.48x on two). For 64-wide heads it is
-level or slower (0.86-0.98x at seq 256, 0.61-0.66x at seq 1024), so it is a switch, not a
-default: `benchmarks/attention_precision.py --shapes B,H,T,D` says which way a model's heads
-go (benchmarks/RESULTS.md, "The attention core in bf16 against fp32 on the CPU"). Like
+13.4 ms against 18.4 ms in bf16 on one thread (1.37x; 1.49x on two). For wider heads and
+longer sequences it is level or slower (64-wide heads 0.80-0.98x at 256 tokens, 32-wide ones
+0.94-0.98x at 1024-2048), and the fp32 forward alone is 2x slower, so `auto` turns it on only
+for CPU runs with heads at most 32 wide at up to 512 tokens, and a core whose inputs need no
+gradient (evaluation, generation, frozen layers) keeps running in 16 bits.
+`benchmarks/attention_precision.py --shapes B,H,T,D` says which way a model's heads go
+(benchmarks/RESULTS.md, "The attention core in bf16 against fp32 on the CPU"). Like
 activation checkpointing, it is applied from outside the model: each attention layer's `core`
 (Attention.core's contract: q (B, H, T, D), k and v (B, Hkv, S, D), mask) is replaced on the
 instance by one that upcasts its inputs, so module names, parameters and checkpoints are
@@ -25,12 +28,30 @@ from polytrain.models.common.attention import Attention
 
 Core = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, object], torch.Tensor]
 
+# `auto`'s bounds, from benchmarks/attention_precision.py on a 2-core Xeon (RESULTS.md): the fp32
+# core's forward and backward beat bf16's for heads this narrow at sequences this short.
+AUTO_MAX_HEAD_DIM = 32
+AUTO_MAX_SEQ_LEN = 512
+
+
+def wanted(setting: str, precision: str, device_type: str, head_dims: set[int], seq_len: int) -> bool:
+    """Whether train.attention_fp32 = `setting` runs the cores of a `precision` model on `device_type`
+    in fp32, its attention layers' heads `head_dims` wide at `seq_len` tokens. An fp32 model (an RLHF
+    role under a 16-bit train.precision) has nothing to upcast."""
+    if precision == "fp32" or not head_dims or setting == "false":
+        return False
+    return setting == "true" or (device_type == "cpu" and max(head_dims) <= AUTO_MAX_HEAD_DIM
+                                 and seq_len <= AUTO_MAX_SEQ_LEN)
+
 
 def in_fp32(core: Core) -> Core:
-    """`core` run on fp32 copies of q, k, v (and of a floating mask), its output in q's dtype.
+    """`core` run on fp32 copies of q, k, v (and of a floating mask), its output in q's dtype, where
+    a backward will follow; without one (no input needs a gradient) the 16-bit core is faster.
 
     Autocast is off inside: CPU autocast would run the attention in 16 bits again."""
     def fp32_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+        if not (q.requires_grad or k.requires_grad or v.requires_grad):
+            return core(q, k, v, mask)
         if isinstance(mask, torch.Tensor) and mask.is_floating_point():
             mask = mask.float()  # an additive bias (B or 1, H or 1, T, S)
         with torch.autocast(q.device.type, enabled=False):

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from polytrain.config import Config, TrainConfig
+from polytrain.config import Config
 from polytrain.distributed.activation_checkpoint import apply_activation_checkpointing
 from polytrain.distributed.context_parallel import ContextParallel
 from polytrain.distributed.context_parallel.apply import parallelize_context
@@ -42,7 +42,8 @@ from polytrain.distributed.tensor_parallel import Context, parallelize_model
 from polytrain.errors import ConfigError
 from polytrain.lora import adapter_parameter_count, apply_lora
 from polytrain.models import ARCHITECTURES
-from polytrain.train.attention_fp32 import attention_in_fp32
+from polytrain.models.common.attention import Attention
+from polytrain.train.attention_fp32 import attention_in_fp32, wanted
 from polytrain.train.compiled import CompileTimer, compile_blocks, compiled_backend
 from polytrain.train.loss import (
     ContextParallelLoss,
@@ -99,12 +100,16 @@ class BuiltModel:
     """Parameters the LoRA adapters add to the whole model (0 without lora.rank)."""
     compile_timer: CompileTimer | None = None
     """Compile time, graphs and graph breaks of this process since the blocks were compiled (train.compile)."""
+    fp32_attention: bool = False
+    """Whether its attention cores run in fp32 inside 16-bit training (train.attention_fp32)."""
 
 
-def fp32_attention(train: TrainConfig, cp: ContextParallel | None) -> bool:
-    """Whether `train.attention_fp32` applies: a 16-bit model (an RLHF role may run in fp32 under a
-    16-bit train.precision: nothing to upcast) without context parallelism (refused at validation)."""
-    return train.attention_fp32 and train.precision != "fp32" and cp is None
+def fp32_attention(cfg: Config, model: nn.Module, device: torch.device, cp: ContextParallel | None) -> bool:
+    """Whether `cfg.train.attention_fp32` runs `model`'s attention cores in fp32 on `device`: never
+    under context parallelism (refused at validation when asked for)."""
+    head_dims = {m.head_dim for m in model.modules() if isinstance(m, Attention)}
+    return cp is None and wanted(cfg.train.attention_fp32, cfg.train.precision, device.type, head_dims,
+                                 cfg.data.seq_len)
 
 
 def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = None,
@@ -135,7 +140,7 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
     plan = arch.tp_plan(cfg.model) if runtime.dims.tp > 1 else None
     cp = ContextParallel(runtime.cp) if runtime.cp.size > 1 or cfg.data.packed_documents else None
     tp_ctx, compiled = None, 0
-    use_fp32_attention = fp32_attention(cfg.train, cp)
+    use_fp32_attention = fp32_attention(cfg, model, runtime.device, cp)
     for stage in stages.values():
         if cp is not None:
             parallelize_context(stage, cp)  # first: tensor parallelism and checkpointing wrap its cores
@@ -173,7 +178,7 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
         loss = ModelLoss(logits_loss, head)
     else:
         loss = ContextParallelLoss(ModelLoss(sharded_logits_loss(logits_loss, cp), head), cp, eot_id)
-    return BuiltModel(model, dp, loss, runner, tp_ctx, cp, num_params, flops, adapters, timer)
+    return BuiltModel(model, dp, loss, runner, tp_ctx, cp, num_params, flops, adapters, timer, use_fp32_attention)
 
 
 def place_model(runtime: Runtime, module: nn.Module, cfg: Config, seed: int) -> BuiltModel:

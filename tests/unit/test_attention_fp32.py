@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -27,7 +26,7 @@ def _causal_attention_f64(q, k, v):
 
 def test_the_core_runs_in_fp32_and_returns_the_16_bit_dtype():
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 64, 16, generator=gen).bfloat16() for _ in range(3))
+    q, k, v = (torch.randn(2, 4, 64, 16, generator=gen).bfloat16().requires_grad_() for _ in range(3))
     layer = Attention(64, 4, 4, 0)
     seen = []
 
@@ -39,14 +38,14 @@ def test_the_core_runs_in_fp32_and_returns_the_16_bit_dtype():
         out = in_fp32(spy)(q, k, v, None)
     assert seen == [(torch.float32, torch.float32, torch.float32, False)] and out.dtype == torch.bfloat16
     exact = _causal_attention_f64(q, k, v)
-    fp32_error = (out.double() - exact).abs().max()
-    bf16_error = (layer.core(q, k, v, None).double() - exact).abs().max()
+    fp32_error = (out.detach().double() - exact).abs().max()
+    bf16_error = (layer.core(q, k, v, None).detach().double() - exact).abs().max()
     assert fp32_error <= 2 ** -8 * exact.abs().max()  # only the output's rounding to bf16
     assert fp32_error <= bf16_error
 
 
 def test_an_additive_mask_is_upcast_with_the_inputs():
-    q = k = v = torch.ones(1, 2, 3, 4, dtype=torch.bfloat16)
+    q = k = v = torch.ones(1, 2, 3, 4, dtype=torch.bfloat16, requires_grad=True)
     bias = torch.zeros(1, 2, 3, 3, dtype=torch.bfloat16)
     dtypes = []
     in_fp32(lambda q, k, v, mask: dtypes.append(mask.dtype) or q)(q, k, v, bias)
@@ -70,10 +69,48 @@ def test_it_is_refused_where_it_cannot_apply():
     for where in (["--parallel.cp", "2"], ["--data.packed_documents", "true"]):
         with pytest.raises(ConfigError, match="parallel.cp > 1 or data.packed_documents"):
             load_config(None, ["--train.attention_fp32", "true", "--train.precision", "bf16", *where])
-    cfg = load_config(None, ["--train.attention_fp32", "true", "--train.precision", "bf16"])
-    assert fp32_attention(cfg.train, None)
-    assert not fp32_attention(dataclasses.replace(cfg.train, precision="fp32"), None)  # an fp32 RLHF role
-    assert not fp32_attention(load_config(None, ["--train.precision", "bf16"]).train, None)
+        load_config(None, ["--train.precision", "bf16", *where])  # auto: simply off there
+    with pytest.raises(ConfigError, match="is not one of 'auto', 'true', 'false'"):
+        load_config(None, ["--train.attention_fp32", "yes"])
+
+
+def _wants(overrides: list[str], device: str = "cpu", cp=None) -> bool:
+    """fp32_attention for the model and train settings `overrides` give, built on the meta device."""
+    from polytrain.models import ARCHITECTURES
+
+    cfg = load_config(None, ["--model.size", "tiny", "--train.precision", "bf16", *overrides])
+    with torch.device("meta"):
+        model = ARCHITECTURES[cfg.model.arch].build(cfg.model)
+    return fp32_attention(cfg, model, torch.device(device), cp)
+
+
+def test_auto_upcasts_narrow_heads_at_short_sequences_on_the_cpu_only():
+    narrow = ["--model.dim", "192", "--model.n_heads", "6", "--data.seq_len", "256"]  # 32-wide heads
+    assert _wants(narrow)
+    assert not _wants(narrow, device="meta")  # not a CPU: its 16-bit kernels are the fast ones
+    assert not _wants(["--model.dim", "256", "--model.n_heads", "4", "--data.seq_len", "256"])  # 64-wide
+    assert not _wants(["--model.dim", "192", "--model.n_heads", "6", "--data.seq_len", "1024"])  # long
+    assert not _wants([*narrow, "--train.precision", "fp32"])  # an fp32 RLHF role: nothing to upcast
+    assert not _wants([*narrow, "--train.attention_fp32", "false"])
+    assert not _wants(narrow, cp=object())  # context parallelism exchanges k and v in 16 bits
+    assert _wants(["--model.dim", "256", "--model.n_heads", "4", "--data.seq_len", "1024",
+                   "--train.attention_fp32", "true"])  # forced on
+
+
+def test_a_toml_boolean_still_sets_it(tmp_path):
+    for value, setting in (("true", "true"), ("false", "false"), ('"auto"', "auto")):
+        path = tmp_path / f"{value.strip(chr(34))}.toml"
+        path.write_text(f"[train]\nprecision = \"bf16\"\nattention_fp32 = {value}\n")
+        assert load_config(path, []).train.attention_fp32 == setting
+
+
+def test_without_a_gradient_to_come_the_16_bit_core_runs():
+    q = k = v = torch.ones(1, 2, 3, 4, dtype=torch.bfloat16)
+    dtypes = []
+    core = in_fp32(lambda q, k, v, mask: dtypes.append(q.dtype) or q)
+    core(q, k, v, None)  # evaluation, generation: the fp32 forward alone is slower
+    core(q.clone().requires_grad_(), k, v, None)
+    assert dtypes == [torch.bfloat16, torch.float32]
 
 
 def _losses(corpus, run_dir, **extra):
@@ -85,11 +122,11 @@ def _losses(corpus, run_dir, **extra):
 
 
 def test_bf16_training_with_fp32_attention_follows_the_bf16_run(small_corpus, tmp_path):
-    plain, _ = _losses(small_corpus, tmp_path / "plain")
-    upcast, _ = _losses(small_corpus, tmp_path / "upcast", **{"train.attention_fp32": True})
+    plain, _ = _losses(small_corpus, tmp_path / "plain", **{"train.attention_fp32": "false"})
+    upcast, _ = _losses(small_corpus, tmp_path / "upcast", **{"train.attention_fp32": "true"})
     assert upcast != plain  # the attention really ran otherwise
     torch.testing.assert_close(upcast, plain, rtol=2e-2, atol=0)  # within bf16's rounding of a few steps
-    compiled, timer = _losses(small_corpus, tmp_path / "compiled", **{"train.attention_fp32": True,
+    compiled, timer = _losses(small_corpus, tmp_path / "compiled", **{"train.attention_fp32": "true",
                                                                        "train.compile": True})
     assert timer.breaks == 0 and timer.graphs == 1 + 2  # the blocks still share one graph
     torch.testing.assert_close(compiled, upcast, rtol=1e-2, atol=0)
