@@ -171,6 +171,34 @@ def test_kv_cached_forward_matches_full_forward(n_kv_heads):
     torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("mask_kind", ["none", "bool rows", "float shared"])
+def test_decoding_attention_reads_shared_kv_heads_without_repeating_them(monkeypatch, mask_kind):
+    attention = make(n_heads=4, n_kv_heads=2).layers["0"].attention
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 1, 4, 16, generator=gen).transpose(1, 2)  # (B, H, 1, D) as forward makes it
+    k, v = torch.randn(2, 3, 2, 11, 16, generator=gen)  # (B, Hkv, S, D)
+    mask = {"none": None,
+            "bool rows": (torch.arange(11)[None, :] <= torch.tensor([[4], [10], [7]]))[:, None, None, :],
+            "float shared": torch.randn(1, 1, 1, 11, generator=gen)}[mask_kind]
+    # the reference: every query head against its own copy of its kv head, in float64
+    kr, vr = (t.double().repeat_interleave(2, dim=1) for t in (k, v))
+    scores = q.double() @ kr.transpose(-1, -2) / 4.0
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    reference = scores.softmax(-1) @ vr
+    monkeypatch.setattr("polytrain.models.common.attention.repeat_kv", None)  # decoding must not call it
+    torch.testing.assert_close(attention.core(q, k, v, mask).double(), reference, atol=1e-6, rtol=1e-6)
+
+
+def test_a_mask_per_head_or_query_still_repeats_the_kv_heads():
+    attention = make(n_heads=4, n_kv_heads=2).layers["0"].attention
+    q, k = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 5, 16)
+    assert attention._one_query_per_group(q, k, None)
+    assert not attention._one_query_per_group(q, k, torch.zeros(1, 4, 1, 5))  # a bias per head (T5)
+    assert not attention._one_query_per_group(torch.randn(1, 4, 2, 16), k, None)  # two queries: causal
+    assert not attention._one_query_per_group(torch.randn(1, 2, 1, 16), k, None)  # a kv head per query head
+
+
 def test_left_padded_batch_matches_each_row_alone():
     model = make().eval()
     rows = [tokens(1, 9, seed=1)[0], tokens(1, 5, seed=2)[0]]

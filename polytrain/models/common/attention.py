@@ -85,12 +85,28 @@ class Attention(nn.Module):
         part, whose saved activations grow with T * S, and so context parallelism can
         replace it (it sees the key/value heads before they are repeated for the queries).
         """
-        k, v = repeat_kv(q, k, v)
         if isinstance(mask, DocumentMask):
             mask = mask.dense(self.causal)
+        if self._one_query_per_group(q, k, mask):
+            # Decoding one token: the G query heads that share a key/value head become that head's
+            # G rows of queries, (B, H, 1, D) -> (B, Hkv, G, D), and the cache's keys and values
+            # are read as they are instead of copied G times over (all S slots, every layer, every step).
+            B, H, _, D = q.shape
+            out = F.scaled_dot_product_attention(q.reshape(B, k.shape[1], H // k.shape[1], D), k, v,
+                                                 attn_mask=mask, scale=self.scale)
+            return out.view(B, H, 1, D)
+        k, v = repeat_kv(q, k, v)
         causal = self.causal and mask is None and q.shape[2] > 1
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
                                               dropout_p=self.dropout if self.training else 0.0)
+
+    def _one_query_per_group(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> bool:
+        """Whether a query head group can be folded into rows of queries of its shared kv head:
+        one query position (decoding), several query heads per kv head, a mask the same for every
+        head and query (B or 1, 1, 1, S) or none, and no attention dropout."""
+        return (q.shape[2] == 1 and q.shape[1] > k.shape[1]
+                and (mask is None or (mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1))
+                and not (self.training and self.dropout))
 
 
 def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
