@@ -59,7 +59,7 @@ def generate_cp(model: nn.Module, cp: ContextParallel, prompt: list[int], max_ne
     def one_token(tok: torch.Tensor, pos: int) -> torch.Tensor:  # (1, 1) -> logits (1, vocab)
         return model(tok, cache=cache, start_pos=pos)[:, -1]
 
-    with _inference(model, 1, threaded_matmul=True):  # bitwise F.linear's products: ranks still agree
+    with _inference(model, 1, threaded_matmul=True):  # every rank computes the same bits: ranks still agree
         try:
             logits = _prefill(model, cp, tokens[:, :sharded], cache) if sharded else None
             cp.decoding = True

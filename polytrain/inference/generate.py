@@ -49,9 +49,11 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
     `compile` compiles the decoding step (implies static_cache). Greedy tokens are the
     same either way; sampled ones come from the same distributions in another order.
 
-    threaded_matmul: decoding's few-row products with host-resident Linear weights are split
-    over torch's threads where that measured faster (threaded_matmul.py); each product is
-    summed as F.linear sums it, so tokens do not change.
+    threaded_matmul: decoding's few-row products with host-resident Linear weights go through
+    polytrain's host kernel (2-8 rows, 1-8 in bf16: each weight read once for all rows; sums
+    rounded in another order than F.linear's, so a greedy token can change only where two
+    logits tie within fp32 rounding) or, at one fp32 row, are split over torch's threads where
+    that measured faster (bitwise F.linear's products); threaded_matmul.py.
     """
     _check_arguments(prompts, max_new_tokens, temperature, top_k, top_p)
     if row_generators is not None and len(row_generators) != len(prompts):

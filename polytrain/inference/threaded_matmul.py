@@ -1,23 +1,34 @@
-"""Decoding's few-row matmuls spread over the host's threads.
+"""Decoding's few-row matmuls: streamed through polytrain's host kernel, or split over threads.
 
-A decoding step multiplies a few rows (batch x 1 token) by every weight of the model. On
-the host CPU the BLAS runs such a thin product (a GEMV at one row) on a single thread
-however many torch has: on the 2-core EPYC here F.linear reads a llama 125m weight at
-10 GB/s with 2 threads, as with 1, while the memory gives 28 GB/s. Splitting the weight's
-output rows into one block per thread and multiplying the blocks as a batch (torch.bmm,
-which ATen runs in parallel over the batch) reads it at 16-18 GB/s, and llama 125m's padded
-decoding runs 1.4-1.6x faster at batch 1, 1.1-1.5x at batch 8 (benchmarks/RESULTS.md). Each
-block is the GEMM F.linear runs, so each output element is the same dot product summed in the
-same order (bitwise equal in every shape tested).
+A decoding step multiplies a few rows (batch x 1 token) by every weight of the model, and
+on the host CPU torch's BLAS handles such thin products badly in two ways:
 
-Whether the split is faster depends on the shape, the row count and the machine, so it is
-measured: once per (out, in, rows, dtype, threads), on the model's own weights, each pass
-after the model's other weights have been read (as in decoding, none is hot in a cache), and
-kept only where it is clearly faster. On a CPU whose BLAS already threads the thin product
-(an AVX-512 Xeon: F.linear reads at 25-31 GB/s with 2 threads at one row) nothing is split.
-`threaded_linears(model, rows)` then replaces the forward of each plain nn.Linear held on the
-host for the duration of generation (subclasses such as LoRA's, and sharded or wrapped layers,
-are left alone) and restores it after; the model's code and parameters are untouched.
+- at 2-8 rows it runs a GEMM that packs each weight panel before using it, reading llama
+  125m's weights at 7-13 GB/s where the memory gives 25 (fp32, a 2-core Xeon). From 2 rows,
+  and from 1 in bf16 (whose products the CPU BLAS runs at about half fp32's byte rate without
+  bf16 instructions), `threaded_linears` sends them to `backend.host_matmul.thin_linear`,
+  which streams each weight once for all rows (18-21 GB/s at 8 rows). Its sums round as
+  F.linear's do but in another order: outputs differ from F.linear's in the last bits, so a
+  greedy token can change only where two logits tie within fp32 rounding. The choice is by
+  row count and dtype, not timed, so a run gives the same bits every time on one machine.
+- at one fp32 row it runs a GEMV, which streams the weight but, on some CPUs, on a single
+  thread however many torch has: on the 2-core EPYC here F.linear reads a llama 125m weight
+  at 10 GB/s with 2 threads, as with 1, while the memory gives 28 GB/s. Splitting the
+  weight's output rows into one block per thread and multiplying the blocks as a batch
+  (torch.bmm, which ATen runs in parallel over the batch) reads it at 16-18 GB/s, and llama
+  125m's decoding at batch 1 runs 1.4-1.6x faster (benchmarks/RESULTS.md). Each block is the
+  GEMM F.linear runs, so each output element is the same dot product summed in the same
+  order (bitwise equal in every shape tested). Whether the split is faster depends on the
+  shape and the machine, so it is measured: once per (out, in, rows, dtype, threads), on the
+  model's own weights, each pass after the model's other weights have been read (as in
+  decoding, none is hot in a cache), and kept only where it is clearly faster. On a CPU
+  whose BLAS already threads the GEMV (an AVX-512 Xeon: 21-27 GB/s at one row) nothing is
+  split.
+
+`threaded_linears(model, rows)` replaces the forward of each plain nn.Linear held on the host
+for the duration of generation (subclasses such as LoRA's, and sharded or wrapped layers, are
+left alone) and restores it after; the model's code and parameters are untouched. Inputs of
+more than `rows` rows (the prompts' prefill) and autocast inputs go to F.linear.
 """
 
 from __future__ import annotations
@@ -31,8 +42,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from polytrain.backend import host_matmul
+
 MARGIN = 0.9
 """The split replaces F.linear only if it takes at most this fraction of F.linear's time."""
+STREAM_ROWS = 8
+"""The most rows streamed through the host kernel: from 16 rows its FMAs, not the memory, bound
+it, and it runs no faster than the BLAS's GEMM (benchmarks/threaded_matmul.py)."""
+STREAM_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def split_linear(x: torch.Tensor, weight: torch.Tensor, blocks: int, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,45 +118,76 @@ def split_is_faster(weights: list[torch.Tensor], rows: int, blocks: int, others:
     return _split_faster[key]
 
 
-def _eligible(module: nn.Module, blocks: int) -> bool:
-    """A plain nn.Linear whose plain, contiguous host weight splits into `blocks` equal blocks,
-    and whose forward is its class's: an instance forward (a user's own, or an enclosing
-    threaded_linears') is neither replaced nor deleted on exit."""
+def _eligible(module: nn.Module) -> bool:
+    """A plain nn.Linear with a plain, contiguous host weight, whose forward is its class's: an
+    instance forward (a user's own, or an enclosing threaded_linears') is neither replaced nor
+    deleted on exit."""
     if type(module) is not nn.Linear or "forward" in module.__dict__:
         return False
     weight = module.weight
-    return (type(weight) is nn.Parameter and weight.device.type == "cpu"
-            and weight.is_contiguous() and weight.shape[0] % blocks == 0)
+    return type(weight) is nn.Parameter and weight.device.type == "cpu" and weight.is_contiguous()
 
 
-def _split_forward(module: nn.Linear, rows: int, blocks: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def _streams(dtype: torch.dtype, rows: int) -> bool:
+    """Whether products of `rows` rows in `dtype` go through the host kernel (module docstring)."""
+    return (dtype in STREAM_DTYPES and (rows >= 2 or dtype != torch.float32) and rows <= STREAM_ROWS
+            and host_matmul.available())
+
+
+def _thin_forward(module: nn.Linear, rows: int, way: str,
+                  product: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """module's forward with inputs of at most `rows` rows computed as product(x (m, in)) -> (m, out);
+    `forward.way` names the product ("split" or "stream")."""
     def forward(x: torch.Tensor) -> torch.Tensor:  # x (..., in) -> (..., out)
         m = x.numel() // x.shape[-1]
         if m > rows or x.dtype != module.weight.dtype:  # prefill, or a caller's autocast: as nn.Linear
             return F.linear(x, module.weight, module.bias)
-        return split_linear(x.reshape(m, -1), module.weight, blocks, module.bias).view(*x.shape[:-1], -1)
+        return product(x.reshape(m, -1).contiguous()).view(*x.shape[:-1], -1)
 
+    forward.way = way
     return forward
+
+
+def _split_forward(module: nn.Linear, rows: int, blocks: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    return _thin_forward(module, rows, "split", lambda x: split_linear(x, module.weight, blocks, module.bias))
+
+
+def _stream_forward(module: nn.Linear, rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    return _thin_forward(module, rows, "stream", lambda x: host_matmul.thin_linear(x, module.weight, module.bias))
+
+
+def _thin_way(shape: tuple, weights: dict[tuple, list[torch.Tensor]], rows: int,
+              blocks: int) -> Callable[[nn.Linear], Callable] | None:
+    """How products of `rows` rows with the weights of `shape` (out, in, dtype) run: a maker of
+    the layer's forward, or None to leave F.linear."""
+    out_features, _, dtype = shape
+    if _streams(dtype, rows):
+        return lambda module: _stream_forward(module, rows)
+    if blocks > 1 and out_features % blocks == 0:
+        others = [w for other, ws in weights.items() if other != shape for w in ws]
+        if split_is_faster(weights[shape], rows, blocks, others):
+            return lambda module: _split_forward(module, rows, blocks)
+    return None
 
 
 @contextlib.contextmanager
 def threaded_linears(model: nn.Module, rows: int, enabled: bool = True):
-    """While inside, inputs of at most `rows` rows to the model's eligible Linear layers are split
-    over torch's threads where that measured faster for their shape; every layer's own forward
-    is back on exit. Yields the number of layers split."""
-    blocks = torch.get_num_threads()
+    """While inside, inputs of at most `rows` rows to the model's eligible Linear layers stream
+    through the host kernel, or are split over torch's threads where that measured faster for
+    their shape (module docstring); every layer's own forward is back on exit. Yields the
+    number of layers changed."""
     patched = []
-    if enabled and blocks > 1:
+    if enabled:
         by_shape: dict[tuple, list[nn.Linear]] = {}
         for module in model.modules():
-            if _eligible(module, blocks):
+            if _eligible(module):
                 by_shape.setdefault((*module.weight.shape, module.weight.dtype), []).append(module)
         weights = {shape: [m.weight.detach() for m in modules] for shape, modules in by_shape.items()}
         for shape, modules in by_shape.items():
-            others = [w for other, ws in weights.items() if other != shape for w in ws]
-            if split_is_faster(weights[shape], rows, blocks, others):
+            make_forward = _thin_way(shape, weights, rows, torch.get_num_threads())
+            if make_forward is not None:
                 for module in modules:
-                    module.forward = _split_forward(module, rows, blocks)
+                    module.forward = make_forward(module)
                 patched += modules
     try:
         yield len(patched)

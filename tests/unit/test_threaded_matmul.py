@@ -1,5 +1,5 @@
-"""Decoding's few-row matmuls split over threads: the same products, only where measured faster,
-every layer restored after."""
+"""Decoding's few-row matmuls: split over threads (the same products, only where measured faster)
+or streamed through the host kernel (from 2 rows, or 1 in bf16), every layer restored after."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from polytrain.config import ModelConfig
-from polytrain.inference import threaded_matmul
+from polytrain.backend import host_matmul
+from polytrain.inference import continuous, threaded_matmul
 from polytrain.inference.generate import generate
 from polytrain.inference.threaded_matmul import split_is_faster, split_linear, threaded_linears
 from polytrain.lora.adapter import LoRALinear
@@ -30,8 +31,16 @@ def two_threads():
 
 @pytest.fixture
 def always_split(monkeypatch):
-    """Every eligible shape counts as faster split, whatever this machine's timings say."""
+    """Every eligible shape counts as faster split, whatever this machine's timings say, and no
+    row count streams through the host kernel."""
     monkeypatch.setattr(threaded_matmul, "split_is_faster", lambda weights, rows, blocks, others: True)
+    monkeypatch.setattr(threaded_matmul, "_streams", lambda dtype, rows: False)
+
+
+@pytest.fixture
+def kernel():
+    if not host_matmul.available():
+        pytest.skip("the host matmul kernel cannot be built here (tests/unit/test_host_matmul.py says why)")
 
 
 def llama() -> Llama:
@@ -160,3 +169,51 @@ def test_measuring_leaves_the_global_random_stream_alone(monkeypatch):
     torch.manual_seed(5)
     split_is_faster([torch.ones(8, 4)], 2, 2)
     assert torch.equal(torch.rand(3), expected)
+
+
+def streamed_layers(model: nn.Module) -> list[str]:
+    return [name for name, m in model.named_modules() if getattr(m.__dict__.get("forward"), "way", None) == "stream"]
+
+
+def test_two_to_eight_fp32_rows_stream_through_the_kernel_and_keep_the_tokens(kernel, two_threads):
+    model = llama()
+    model.output = nn.Linear(CFG.dim, 97, bias=False)  # an odd row count streams too (it does not split)
+    nn.init.normal_(model.output.weight, std=0.02, generator=torch.Generator().manual_seed(0))
+    plain = generate(model, PROMPTS, 10, temperature=0, threaded_matmul=False)
+    linears = [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    with threaded_linears(model, len(PROMPTS)) as count:
+        assert count == len(linears) and streamed_layers(model) == linears
+    assert generate(model, PROMPTS, 10, temperature=0) == plain
+    assert generate(model, PROMPTS, 10, temperature=0, static_cache=True) == plain
+
+
+def test_streamed_layers_give_the_logits_of_the_plain_model_within_rounding(kernel):
+    model = llama().eval()
+    tokens = torch.tensor([[5], [17], [3]])  # three rows: streamed
+    prompt = torch.tensor([PROMPTS[0]])  # seven rows: above `rows`, so F.linear, bit for bit
+    with torch.no_grad():
+        plain = model(tokens), model(prompt)
+        with threaded_linears(model, rows=3):
+            assert streamed_layers(model)
+            streamed = model(tokens), model(prompt)
+    torch.testing.assert_close(streamed[0], plain[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(streamed[1], plain[1])
+
+
+def test_which_row_counts_and_dtypes_stream(kernel, monkeypatch):
+    monkeypatch.setattr(threaded_matmul, "split_is_faster", lambda weights, rows, blocks, others: False)
+    model = llama()
+    for rows, dtype, streams in [(1, torch.float32, False), (2, torch.float32, True), (8, torch.float32, True),
+                                 (9, torch.float32, False), (1, torch.bfloat16, True), (8, torch.bfloat16, True),
+                                 (4, torch.float16, False)]:
+        model.to(dtype)
+        with threaded_linears(model, rows) as count:
+            assert (count > 0) == streams, (rows, dtype)
+
+
+def test_a_compiled_decoding_step_calls_the_kernel_and_keeps_the_tokens(kernel, monkeypatch):
+    monkeypatch.setattr(continuous, "BACKEND", "aot_eager")  # the graph without code generation: seconds
+    torch._dynamo.reset()
+    model = llama()
+    plain = generate(model, PROMPTS, 8, temperature=0, threaded_matmul=False)
+    assert generate(model, PROMPTS, 8, temperature=0, compile=True) == plain

@@ -1,0 +1,162 @@
+// y (M, N) = x (M, K) @ w (N, K)^T [+ bias (N)] for a few rows M, each weight streamed from
+// memory once. See host_matmul.py for why and when.
+//
+// Decoding multiplies a handful of rows (one token per sequence) by every weight of the model,
+// so its time is the time to read the weights. The BLAS's GEMM packs a panel of the weight
+// before multiplying it, and at 2-16 rows that packing is most of the work: it reads llama
+// 125m's weights at 7-13 GB/s where the memory gives 25. Here each thread walks its own
+// contiguous block of the weight's rows, kTileN rows at a time, with every row of x in L1: a
+// weight element is loaded once and used for all M rows of x, and the rows kPrefetchTiles tiles
+// ahead are prefetched so the load of the next rows overlaps this tile's arithmetic.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;  // one 512-bit register of fp32
+constexpr int kTileN = 2;   // 2 weight rows x 8 x rows = 16 accumulators of the 32 registers
+#elif defined(__AVX__)
+constexpr int kLanes = 8;
+constexpr int kTileN = 1;   // 8 accumulators of the 16 registers
+#else
+constexpr int kLanes = 4;   // 128-bit vectors (NEON: 32 registers)
+constexpr int kTileN = 2;
+#endif
+constexpr int kRowBlock = 8;       // rows of x per pass over a tile (more spill the accumulators)
+constexpr int kPrefetchTiles = 1;  // the tile after this one is fetched while this one computes
+constexpr int64_t kGrainTiles = 16;  // tiles per thread at least: tiny weights stay on one thread
+
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float)), aligned(sizeof(float))));
+typedef uint16_t Half __attribute__((vector_size(kLanes * sizeof(uint16_t)), aligned(sizeof(uint16_t))));
+typedef uint32_t Word __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+inline Vec load(const float* p) { return *reinterpret_cast<const Vec*>(p); }  // Vec is 4-byte aligned
+
+// kLanes bf16 values widened to fp32: a bf16 is the top half of the fp32 with the same value.
+inline Vec load(const c10::BFloat16* p) {
+  const Word w = __builtin_convertvector(*reinterpret_cast<const Half*>(p), Word) << 16;
+  return reinterpret_cast<const Vec&>(w);
+}
+
+inline float sum_lanes(Vec v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// Rows n .. n+TN-1 of w against rows 0 .. MB-1 of x (fp32 rows of K elements; row stride N in
+// y): kLanes-wide partial sums over k, then each lane sum plus the scalar tail of k.
+template <typename T, int TN, int MB>
+void tile(const float* x, const T* w, const float* bias, T* y, int64_t K, int64_t N, int64_t n) {
+  Vec acc[TN][MB] = {};
+  const int64_t full = K / kLanes * kLanes;
+  const T* rows = w + n * K;
+  for (int64_t k = 0; k < full; k += kLanes) {
+    Vec wv[TN];
+#pragma GCC unroll 8
+    for (int j = 0; j < TN; ++j) {
+      __builtin_prefetch(rows + (kPrefetchTiles * TN + j) * K + k);  // past the end: a no-op
+      wv[j] = load(rows + j * K + k);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const Vec xv = load(x + m * K + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < TN; ++j) acc[j][m] += xv * wv[j];
+    }
+  }
+  for (int j = 0; j < TN; ++j) {
+    for (int m = 0; m < MB; ++m) {
+      float s = sum_lanes(acc[j][m]);
+      for (int64_t k = full; k < K; ++k) s += x[m * K + k] * static_cast<float>(rows[j * K + k]);
+      if (bias != nullptr) s += bias[n + j];
+      y[m * N + n + j] = static_cast<T>(s);
+    }
+  }
+}
+
+template <typename T, int TN>
+void tile_rows(int64_t rows_left, const float* x, const T* w, const float* bias, T* y, int64_t K, int64_t N,
+               int64_t n) {
+  switch (rows_left) {
+    case 1: return tile<T, TN, 1>(x, w, bias, y, K, N, n);
+    case 2: return tile<T, TN, 2>(x, w, bias, y, K, N, n);
+    case 3: return tile<T, TN, 3>(x, w, bias, y, K, N, n);
+    case 4: return tile<T, TN, 4>(x, w, bias, y, K, N, n);
+    case 5: return tile<T, TN, 5>(x, w, bias, y, K, N, n);
+    case 6: return tile<T, TN, 6>(x, w, bias, y, K, N, n);
+    case 7: return tile<T, TN, 7>(x, w, bias, y, K, N, n);
+    default: return tile<T, TN, kRowBlock>(x, w, bias, y, K, N, n);
+  }
+}
+
+// Every block of kRowBlock rows of x against weight rows n .. n+TN-1 (still in L1 after the
+// first block: the weight is read from memory once however many rows there are).
+template <typename T, int TN>
+void weight_rows(const float* x, const T* w, const float* bias, T* y, int64_t M, int64_t K, int64_t N, int64_t n) {
+  for (int64_t m = 0; m < M; m += kRowBlock)
+    tile_rows<T, TN>(std::min<int64_t>(kRowBlock, M - m), x + m * K, w, bias, y + m * N, K, N, n);
+}
+
+template <typename T>
+void thin_linear_kernel(const float* x, const T* w, const float* bias, T* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t tiles = (N + kTileN - 1) / kTileN;  // the last one may hold fewer than kTileN rows
+  at::parallel_for(0, tiles, kGrainTiles, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n = t * kTileN;
+      if (n + kTileN <= N) {
+        weight_rows<T, kTileN>(x, w, bias, y, M, K, N, n);
+      } else {
+        for (int64_t row = n; row < N; ++row) weight_rows<T, 1>(x, w, bias, y, M, K, N, row);
+      }
+    }
+  });
+}
+
+at::Tensor thin_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "thin_linear: x (M, K) and weight (N, K) expected, got ", x.sizes(), " and ", weight.sizes());
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "thin_linear: fp32 or bf16 x and weight of one dtype expected, got ", x.scalar_type(), " and ",
+              weight.scalar_type());
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "thin_linear: contiguous x and weight expected");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous() &&
+                    bias->scalar_type() == x.scalar_type(),
+                "thin_linear: a contiguous bias of ", N, " elements in x's dtype expected");
+  }
+  // x and bias in fp32 (a bf16 x widened once here, not once per weight row): (M, K), (N,)
+  const at::Tensor x32 = x.to(at::kFloat);
+  const std::optional<at::Tensor> bias32 = bias.has_value() ? std::optional(bias->to(at::kFloat)) : std::nullopt;
+  const float* bias_data = bias32.has_value() ? bias32->data_ptr<float>() : nullptr;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    thin_linear_kernel<float>(x32.data_ptr<float>(), weight.data_ptr<float>(), bias_data, y.data_ptr<float>(), M, K, N);
+  } else {
+    using B = c10::BFloat16;
+    thin_linear_kernel<B>(x32.data_ptr<float>(), weight.data_ptr<B>(), bias_data, y.data_ptr<B>(), M, K, N);
+  }
+  return y;
+}
+
+}  // namespace
+
+// A fragment: polytrain's Python operators (host_collective_ops.py) share the namespace.
+TORCH_LIBRARY_FRAGMENT(polytrain, m) {
+  m.def("thin_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(polytrain, CPU, m) {
+  m.impl("thin_linear", &thin_linear);
+}

@@ -1,0 +1,89 @@
+"""Few-row products on the host CPU that read each weight from memory once: `thin_linear`.
+
+Decoding multiplies one token per sequence by every weight of the model, so a step is a few
+rows (2-8 at batch 2-8) times each weight, and its time is the time to read the weights.
+torch's CPU BLAS runs such a product as a GEMM that first packs a panel of the weight into a
+buffer, and at a few rows packing is most of the work: on this project's 2-core Xeon F.linear
+reads llama 125m's weights at 7-13 GB/s with 8 rows, where one row (a GEMV, which streams the
+weight) reads them at 21-27 GB/s. host_matmul.cpp streams the weight for every row count:
+each thread walks its own block of weight rows, two rows at a time against every row of x
+(held in L1), prefetching the next rows, and reads llama 125m's weights at 18-21 GB/s with 8
+rows (`benchmarks/threaded_matmul.py`). bf16 weights are widened to fp32 in registers and
+summed in fp32, one rounding at the end, as F.linear's bf16 result is rounded.
+
+Each output is the same dot product F.linear computes, summed in another order: it differs
+from F.linear's by fp32 rounding (about 1e-6 relative), not bitwise.
+
+The kernel is C++ built on first use with torch's extension builder and the host's compiler
+(`-march=native`: this CPU's vector width), once per machine, source and torch version, into
+the polytrain cache (`$POLYTRAIN_CACHE/kernels`, about 8 s). Where it cannot be built (no
+compiler, another platform) `available()` is False, says why once, and callers keep F.linear;
+`POLYTRAIN_HOST_KERNELS=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from polytrain.backend.flops import cache_dir
+
+SOURCE = Path(__file__).with_name("host_matmul.cpp")
+ENV_VAR = "POLYTRAIN_HOST_KERNELS"
+
+
+def thin_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, in) @ weight (out, in).T + bias (out,) -> (M, out), fp32 or bf16, contiguous host
+    tensors of one dtype; only once `available()` is True."""
+    return torch.ops.polytrain.thin_linear(x, weight, bias)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_dir() -> Path:
+    """One directory per source, torch, Python and CPU: a shared cache never hands a kernel built
+    for one machine's vector instructions to another."""
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(), sys.version.encode(),
+                                     platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:16]
+    return cache_dir() / "kernels" / f"host_matmul-{key}"
+
+
+@functools.cache
+def available() -> bool:
+    """Whether torch.ops.polytrain.thin_linear is loaded in this process (built first if needed)."""
+    if os.environ.get(ENV_VAR, "1").strip() == "0":
+        return False
+    build = _build_dir()
+    arch = "-march=native" if platform.machine() in ("x86_64", "AMD64", "i686") else "-mcpu=native"
+    try:
+        from torch.utils import cpp_extension
+
+        build.mkdir(parents=True, exist_ok=True)
+        if not any(build.glob("*.so")):
+            print(f"polytrain: building the host matmul kernel once for this machine into {build}",
+                  file=sys.stderr, flush=True)
+        cpp_extension.load(name="polytrain_host_matmul", sources=[str(SOURCE)], build_directory=str(build),
+                           extra_cflags=["-O3", arch, "-fopenmp"], is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler, an unsupported flag, a failed build: F.linear stays
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        warnings.warn(f"polytrain: the host matmul kernel could not be built ({reason}); decoding uses "
+                      f"F.linear ({ENV_VAR}=0 silences this)", stacklevel=2)
+        return False
+    torch.library.register_fake("polytrain::thin_linear")(
+        lambda x, weight, bias: x.new_empty(x.shape[0], weight.shape[0]))
+    return True

@@ -1,0 +1,108 @@
+"""The host kernel for decoding's few-row products: exact dot products within fp32 rounding, bf16
+rounded once, the same bits on any thread count, usable in compiled graphs, and a build that
+fails without taking generation with it."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from polytrain.backend import host_matmul
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                reason="no C++ compiler on this machine: the kernel cannot be built")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert host_matmul.available(), "the host matmul kernel did not build (see the warning above)"
+
+
+def operands(rows: int, out_features: int, in_features: int, with_bias: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    return x, weight, bias
+
+
+# 770 inputs leave a tail after the vector lanes; 513 outputs leave a row after the two-row tiles
+@pytest.mark.parametrize("out_features,in_features", [(513, 770), (96, 64), (1, 16), (40, 3)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp32_products_are_the_exact_dot_products_within_rounding(out_features, in_features, rows, with_bias):
+    x, weight, bias = operands(rows, out_features, in_features, with_bias)
+    exact = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
+    got = host_matmul.thin_linear(x, weight, bias)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    # each output sums in_features products: fp32 rounding grows with sqrt(in_features)
+    tolerance = 4e-7 * in_features ** 0.5 * (x.abs().max() * weight.abs().max()).item() * 4
+    torch.testing.assert_close(got.double(), exact, atol=tolerance, rtol=0)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), atol=2 * tolerance, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_products_are_summed_in_fp32_and_rounded_once(rows, with_bias):
+    x, weight, bias = (t if t is None else t.bfloat16() for t in operands(rows, 257, 96, with_bias, seed=1))
+    exact = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
+    got = host_matmul.thin_linear(x, weight, bias)
+    assert got.dtype == torch.bfloat16
+    # one rounding to bf16 (half of its 2^-8 relative step) plus fp32's, nothing more
+    assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all()
+    # and the nearest bf16 of the exact sum almost everywhere (a tie within fp32 rounding may not be)
+    assert (got == exact.bfloat16()).float().mean() > 0.99
+
+
+def test_every_output_gets_the_same_bits_on_one_thread_as_on_several():
+    x, weight, bias = operands(8, 1031, 300, True)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = host_matmul.thin_linear(x, weight, bias)
+        torch.set_num_threads(2)
+        two = host_matmul.thin_linear(x, weight, bias)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_bad_operands_are_refused_by_name():
+    x, weight, _ = operands(2, 8, 4, False)
+    with pytest.raises(RuntimeError, match=r"x \(M, K\) and weight \(N, K\)"):
+        host_matmul.thin_linear(x, weight.t().contiguous())
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        host_matmul.thin_linear(x.double(), weight.double())
+    with pytest.raises(RuntimeError, match="contiguous x and weight"):
+        host_matmul.thin_linear(x, torch.randn(4, 8).t())
+    with pytest.raises(RuntimeError, match="bias of 8 elements"):
+        host_matmul.thin_linear(x, weight, torch.zeros(7))
+
+
+def test_a_compiled_graph_calls_it_without_breaking():
+    x, weight, bias = operands(4, 64, 32, True)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(host_matmul.thin_linear(x * 2, weight, bias))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")  # fullgraph: a break is an error
+    assert torch.equal(compiled(x), layer(x))
+
+
+def test_a_failed_build_warns_and_leaves_f_linear(monkeypatch, tmp_path):
+    broken = tmp_path / "host_matmul.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(host_matmul, "SOURCE", broken)
+    monkeypatch.setattr(host_matmul, "available", host_matmul.available.__wrapped__)
+    monkeypatch.setenv("POLYTRAIN_CACHE", str(tmp_path / "cache"))
+    with pytest.warns(UserWarning, match="could not be built"):
+        assert host_matmul.available() is False
+
+
+def test_the_environment_turns_it_off(monkeypatch):
+    monkeypatch.setenv(host_matmul.ENV_VAR, "0")
+    assert host_matmul.available.__wrapped__() is False
