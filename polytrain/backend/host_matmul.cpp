@@ -5,9 +5,13 @@
 // so its time is the time to read the weights. The BLAS's GEMM packs a panel of the weight
 // before multiplying it, and at 2-16 rows that packing is most of the work: it reads llama
 // 125m's weights at 7-13 GB/s where the memory gives 25. Here each thread walks its own
-// contiguous block of the weight's rows, kTileN rows at a time, with every row of x in L1: a
+// contiguous block of the weight's rows, kTileN rows at a time, with the rows of x in L1: a
 // weight element is loaded once and used for all M rows of x, and the rows kPrefetchTiles tiles
-// ahead are prefetched so the load of the next rows overlaps this tile's arithmetic.
+// ahead are prefetched so the load of the next rows overlaps this tile's arithmetic. Where x's
+// rows are too long for L1 beside the weight (8 rows of 2,048 inputs are 64 KiB), a group of
+// tiles runs over one block of kBlockK inputs at a time, each tile's partial sums kept in a
+// buffer between blocks: the same additions in the same order, so the bits do not depend on
+// the blocking, the row count or the threads.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -18,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 namespace {
 
@@ -34,6 +39,8 @@ constexpr int kTileN = 2;
 constexpr int kRowBlock = 8;       // rows of x per pass over a tile (more spill the accumulators)
 constexpr int kPrefetchTiles = 1;  // the tile after this one is fetched while this one computes
 constexpr int64_t kGrainTiles = 16;  // tiles per thread at least: tiny weights stay on one thread
+constexpr int64_t kBlockK = 1024;    // inputs per pass: 8 rows of x in 32 KiB, beside the weight in L1
+constexpr int64_t kGroupTiles = 64;  // tiles per group: their partial sums (64 KiB at most) stay in L2
 
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float)), aligned(sizeof(float))));
 typedef uint16_t Half __attribute__((vector_size(kLanes * sizeof(uint16_t)), aligned(sizeof(uint16_t))));
@@ -54,13 +61,20 @@ inline float sum_lanes(Vec v) {
 }
 
 // Rows n .. n+TN-1 of w against rows 0 .. MB-1 of x (fp32 rows of K elements; row stride N in
-// y): kLanes-wide partial sums over k, then each lane sum plus the scalar tail of k.
+// y) over inputs k0 .. k1-1: kLanes-wide partial sums, started from `carry` (acc[j][m] at
+// carry[j * kRowBlock + m]) unless k0 is 0, and left there unless k1 is K; at K each lane sum
+// plus the scalar tail of k (K % kLanes) and the bias goes to y.
 template <typename T, int TN, int MB>
-void tile(const float* x, const T* w, const float* bias, T* y, int64_t K, int64_t N, int64_t n) {
-  Vec acc[TN][MB] = {};
-  const int64_t full = K / kLanes * kLanes;
+void tile(const float* x, const T* w, const float* bias, T* y, int64_t K, int64_t N, int64_t n, int64_t k0,
+          int64_t k1, Vec* carry) {
+  Vec acc[TN][MB];
+#pragma GCC unroll 8
+  for (int j = 0; j < TN; ++j)
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) acc[j][m] = k0 == 0 ? Vec{} : carry[j * kRowBlock + m];
+  const int64_t full = std::min(k1, K / kLanes * kLanes);
   const T* rows = w + n * K;
-  for (int64_t k = 0; k < full; k += kLanes) {
+  for (int64_t k = k0; k < full; k += kLanes) {
     Vec wv[TN];
 #pragma GCC unroll 8
     for (int j = 0; j < TN; ++j) {
@@ -74,6 +88,13 @@ void tile(const float* x, const T* w, const float* bias, T* y, int64_t K, int64_
       for (int j = 0; j < TN; ++j) acc[j][m] += xv * wv[j];
     }
   }
+  if (k1 < K) {
+#pragma GCC unroll 8
+    for (int j = 0; j < TN; ++j)
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) carry[j * kRowBlock + m] = acc[j][m];
+    return;
+  }
   for (int j = 0; j < TN; ++j) {
     for (int m = 0; m < MB; ++m) {
       float s = sum_lanes(acc[j][m]);
@@ -84,39 +105,61 @@ void tile(const float* x, const T* w, const float* bias, T* y, int64_t K, int64_
   }
 }
 
+// What one pass of `tile` needs besides its row count and rows: the operands and the k range.
+template <typename T>
+struct Pass {
+  const float* x;
+  const T* w;
+  const float* bias;
+  T* y;
+  int64_t M, K, N, k0, k1;
+};
+
 template <typename T, int TN>
-void tile_rows(int64_t rows_left, const float* x, const T* w, const float* bias, T* y, int64_t K, int64_t N,
-               int64_t n) {
+void tile_rows(const Pass<T>& p, int64_t rows_left, int64_t m0, int64_t n, Vec* carry) {
+  const float* x = p.x + m0 * p.K;
+  T* y = p.y + m0 * p.N;
   switch (rows_left) {
-    case 1: return tile<T, TN, 1>(x, w, bias, y, K, N, n);
-    case 2: return tile<T, TN, 2>(x, w, bias, y, K, N, n);
-    case 3: return tile<T, TN, 3>(x, w, bias, y, K, N, n);
-    case 4: return tile<T, TN, 4>(x, w, bias, y, K, N, n);
-    case 5: return tile<T, TN, 5>(x, w, bias, y, K, N, n);
-    case 6: return tile<T, TN, 6>(x, w, bias, y, K, N, n);
-    case 7: return tile<T, TN, 7>(x, w, bias, y, K, N, n);
-    default: return tile<T, TN, kRowBlock>(x, w, bias, y, K, N, n);
+    case 1: return tile<T, TN, 1>(x, p.w, p.bias, y, p.K, p.N, n, p.k0, p.k1, carry);
+    case 2: return tile<T, TN, 2>(x, p.w, p.bias, y, p.K, p.N, n, p.k0, p.k1, carry);
+    case 3: return tile<T, TN, 3>(x, p.w, p.bias, y, p.K, p.N, n, p.k0, p.k1, carry);
+    case 4: return tile<T, TN, 4>(x, p.w, p.bias, y, p.K, p.N, n, p.k0, p.k1, carry);
+    case 5: return tile<T, TN, 5>(x, p.w, p.bias, y, p.K, p.N, n, p.k0, p.k1, carry);
+    case 6: return tile<T, TN, 6>(x, p.w, p.bias, y, p.K, p.N, n, p.k0, p.k1, carry);
+    case 7: return tile<T, TN, 7>(x, p.w, p.bias, y, p.K, p.N, n, p.k0, p.k1, carry);
+    default: return tile<T, TN, kRowBlock>(x, p.w, p.bias, y, p.K, p.N, n, p.k0, p.k1, carry);
   }
 }
 
-// Every block of kRowBlock rows of x against weight rows n .. n+TN-1 (still in L1 after the
-// first block: the weight is read from memory once however many rows there are).
-template <typename T, int TN>
-void weight_rows(const float* x, const T* w, const float* bias, T* y, int64_t M, int64_t K, int64_t N, int64_t n) {
-  for (int64_t m = 0; m < M; m += kRowBlock)
-    tile_rows<T, TN>(std::min<int64_t>(kRowBlock, M - m), x + m * K, w, bias, y + m * N, K, N, n);
+// Every block of kRowBlock rows of x against weight rows n .. n+kTileN-1 (fewer in the last
+// tile), the weight read from memory once however many rows there are (it stays in L1 between
+// blocks). `carry` holds the tile's partial sums: kTileN x kRowBlock per block of rows.
+template <typename T>
+void weight_tile(const Pass<T>& p, int64_t n, Vec* carry) {
+  for (int64_t m = 0, block = 0; m < p.M; m += kRowBlock, ++block) {
+    const int64_t rows_left = std::min<int64_t>(kRowBlock, p.M - m);
+    Vec* block_carry = carry + block * kTileN * kRowBlock;
+    if (n + kTileN <= p.N) {
+      tile_rows<T, kTileN>(p, rows_left, m, n, block_carry);
+    } else {
+      for (int64_t row = n; row < p.N; ++row)
+        tile_rows<T, 1>(p, rows_left, m, row, block_carry + (row - n) * kRowBlock);
+    }
+  }
 }
 
 template <typename T>
 void thin_linear_kernel(const float* x, const T* w, const float* bias, T* y, int64_t M, int64_t K, int64_t N) {
   const int64_t tiles = (N + kTileN - 1) / kTileN;  // the last one may hold fewer than kTileN rows
+  const int64_t carry_per_tile = (M + kRowBlock - 1) / kRowBlock * kTileN * kRowBlock;
   at::parallel_for(0, tiles, kGrainTiles, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n = t * kTileN;
-      if (n + kTileN <= N) {
-        weight_rows<T, kTileN>(x, w, bias, y, M, K, N, n);
-      } else {
-        for (int64_t row = n; row < N; ++row) weight_rows<T, 1>(x, w, bias, y, M, K, N, row);
+    std::vector<Vec> carry(K > kBlockK ? kGroupTiles * carry_per_tile : 0);
+    for (int64_t group = begin; group < end; group += kGroupTiles) {
+      const int64_t group_end = std::min(end, group + kGroupTiles);
+      for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
+        const Pass<T> pass{x, w, bias, y, M, K, N, k0, std::min(K, k0 + kBlockK)};
+        for (int64_t t = group; t < group_end; ++t)
+          weight_tile(pass, t * kTileN, carry.data() + (t - group) * carry_per_tile);
       }
     }
   });

@@ -29,8 +29,9 @@ def operands(rows: int, out_features: int, in_features: int, with_bias: bool, se
     return x, weight, bias
 
 
-# 770 inputs leave a tail after the vector lanes; 513 outputs leave a row after the two-row tiles
-@pytest.mark.parametrize("out_features,in_features", [(513, 770), (96, 64), (1, 16), (40, 3)])
+# 770 inputs leave a tail after the vector lanes; 513 outputs leave a row after the two-row tiles;
+# 2,500 inputs run in three blocks of at most 1,024, partial sums carried between them
+@pytest.mark.parametrize("out_features,in_features", [(513, 770), (96, 64), (1, 16), (40, 3), (131, 2500)])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_fp32_products_are_the_exact_dot_products_within_rounding(out_features, in_features, rows, with_bias):
@@ -57,8 +58,8 @@ def test_bf16_products_are_summed_in_fp32_and_rounded_once(rows, with_bias):
     assert (got == exact.bfloat16()).float().mean() > 0.99
 
 
-def test_every_output_gets_the_same_bits_on_one_thread_as_on_several():
-    x, weight, bias = operands(8, 1031, 300, True)
+def test_every_output_gets_the_same_bits_whatever_the_threads_and_the_other_rows():
+    x, weight, bias = operands(11, 1031, 2100, True)  # two blocks of rows, three of inputs
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -68,6 +69,10 @@ def test_every_output_gets_the_same_bits_on_one_thread_as_on_several():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
+    # a row alone, or with a few others, sums exactly as in the full batch: a sequence's tokens
+    # do not depend on how many others decode beside it
+    for rows in (slice(3, 4), slice(0, 5), slice(8, 11)):
+        assert torch.equal(host_matmul.thin_linear(x[rows].contiguous(), weight, bias), two[rows])
 
 
 def test_bad_operands_are_refused_by_name():
