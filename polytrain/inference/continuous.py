@@ -62,7 +62,7 @@ def generate_static(model: nn.Module, prompts: list[list[int]], max_new_tokens: 
             by_length.setdefault(len(prompts[owner[r]]), []).append(r)
         for group in by_length.values():
             batch = torch.tensor([prompts[owner[r]] for r in group], device=device)  # (R, L)
-            logits = model(batch, cache=cache.rows(group), start_pos=0)[:, -1]  # (R, vocab)
+            logits = model(batch, cache=cache.rows(group), start_pos=0, logits_at=-1)[:, 0]  # (R, vocab)
             tokens[group] = sample_rows(logits)
         return taken
 

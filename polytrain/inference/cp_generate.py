@@ -76,10 +76,11 @@ def _prefill(model: nn.Module, cp: ContextParallel, tokens: torch.Tensor, cache:
     """Run the sharded prompt; the logits (1, vocab) of its last slot, on every rank."""
     layout = cp.layout(tokens.shape[1])
     slots = layout.slots(cp.groups.cp_rank).to(tokens.device)
-    logits = model(cp.shard(tokens), cache=cache, start_pos=0, positions=slots)  # (1, T0/P, vocab)
     last = tokens.shape[1] - 1
     owner = next(r for r in range(layout.size) if last in layout.slots(r))
-    here = logits[:, (slots == last).nonzero()[0, 0]] if cp.groups.cp_rank == owner else logits[:, 0]
+    # the owner's logits of the prompt's last token; the other ranks' (any slot's) are dropped
+    at = int((slots == last).nonzero()[0, 0]) if cp.groups.cp_rank == owner else 0
+    here = model(cp.shard(tokens), cache=cache, start_pos=0, positions=slots, logits_at=at)[:, 0]  # (1, vocab)
     return broadcast(here.contiguous(), dist.get_global_rank(cp.groups.cp, owner), cp.groups.cp)
 
 

@@ -92,7 +92,7 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
         return model(next_tok[:, None], cache=cache, start_pos=longest + i)[:, -1]
 
     with _inference(model, batch, threaded_matmul):
-        first = model(tokens, cache=cache, start_pos=0)[:, -1]  # (B, vocab)
+        first = model(tokens, cache=cache, start_pos=0, logits_at=-1)[:, 0]  # (B, vocab)
         return _sample_loop(first, step, max_new_tokens, temperature, top_k, top_p, stop_tokens,
                             generator, row_generators, all_done)
 

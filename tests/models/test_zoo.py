@@ -114,6 +114,23 @@ def test_kv_cached_decoding_equals_the_full_forward(arch):
     assert torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "internlm2"])
+def test_logits_at_one_position_are_that_position_of_the_full_logits(arch):
+    model = make(arch).eval()
+    x = tokens(2, 12)
+    with torch.no_grad():
+        full = model(x)  # (2, 12, vocab)
+        for at in (-1, 0, 7):
+            got = model(x, logits_at=at)
+            assert got.shape == (2, 1, 53)
+            torch.testing.assert_close(got, full[:, [at]], atol=1e-6, rtol=0)
+        # a prefill into a cache keeps every prompt token's keys and values, not just the last one's
+        cache = KVCache(2, 12)
+        model(x[:, :9], cache=cache, start_pos=0, logits_at=-1)
+        decoded = [model(x[:, i:i + 1], cache=cache, start_pos=i) for i in range(9, 12)]
+    torch.testing.assert_close(torch.cat(decoded, 1), full[:, 9:], atol=1e-5, rtol=0)
+
+
 def test_t5_cached_decoding_equals_the_full_decoder():
     model = make("t5").eval()
     src, tgt = tokens(2, 10), tokens(2, 8, seed=1)

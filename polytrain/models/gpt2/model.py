@@ -67,8 +67,10 @@ class GPT2(ModelBase):
         self._record_shapes()
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
-                positions: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, vocab_size); a KV cache, positions and documents work as for Llama.
+                positions: torch.Tensor | None = None, documents: torch.Tensor | None = None,
+                logits_at: int | None = None) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab_size); a KV cache, positions, documents and
+        logits_at (the logits (B, 1, vocab_size) of one position) work as for Llama.
 
         Left-padded rows (cache.pad) take their positions from their first real token,
         as the row alone would.
@@ -90,6 +92,8 @@ class GPT2(ModelBase):
         mask = attention_mask(T, cache, start_pos, documents, h.device)
         for layer in self.layers.values():
             h = layer(h, cache, start_pos, mask)
+        if logits_at is not None:
+            h = h.narrow(1, logits_at % T, 1)  # (B, 1, dim)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

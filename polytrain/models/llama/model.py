@@ -80,7 +80,8 @@ class Llama(ModelBase):
         self._record_shapes()
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
-                positions: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, documents: torch.Tensor | None = None,
+                logits_at: int | None = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, vocab_size), in the dtype the output projection produces.
 
         With a cache, the tokens occupy slots start_pos..start_pos+T-1 and attend to
@@ -90,6 +91,9 @@ class Llama(ModelBase):
         documents restart at 0; a shard of a longer sequence keeps its global positions).
         documents (B, T): document ids of packed sequences (no cache); attention stays
         inside each document (models/common/documents.py).
+        logits_at: the logits (B, 1, vocab_size) of this position alone (-1: the last, all a prefill
+        samples from; the output projection over every prompt token is a fifth of llama 125m's
+        prefill, and its (B, T, vocab) logits the largest tensor of a long prompt's).
         """
         T = tokens.shape[1]
         end = start_pos + T if positions is None else int(positions.max()) + 1
@@ -102,6 +106,8 @@ class Llama(ModelBase):
         rope_cos, rope_sin, mask = self.attention_inputs(T, cache, start_pos, h.device, positions, documents)
         for layer in self.layers.values():
             h = layer(h, rope_cos, rope_sin, cache, start_pos, mask)
+        if logits_at is not None:
+            h = h.narrow(1, logits_at % T, 1)  # (B, 1, dim)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
