@@ -172,7 +172,7 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None = None,
     """One token id per row of logits (B, vocab) -> (B,); temperature 0 = argmax."""
     logits = logits.float()
     if temperature == 0:
-        return logits.argmax(-1)
+        return argmax_rows(logits)
     logits = logits / temperature
     if top_k is not None:
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
@@ -189,6 +189,30 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int | None = None,
     if generator is not None:  # sample where the generator lives; results then match across devices
         return torch.multinomial(probs.to(generator.device), 1, generator=generator)[:, 0].to(logits.device)
     return torch.multinomial(probs, 1)[:, 0]
+
+
+ARGMAX_CHUNK = 128
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits (B, V) -> (B,) the index of each row's maximum, the first of equal ones, as argmax.
+
+    torch's CPU argmax compares one element at a time (180 us for (8, 32000) fp32, a step of
+    greedy decoding every 150 tokens), its amax is vectorised: so the maximum of each chunk of
+    ARGMAX_CHUNK elements first, then argmax over the chunk maxima and inside the first chunk
+    holding the row's maximum (57 us). A NaN, a maximum to amax and argmax alike, wins as in argmax.
+    """
+    B, V = logits.shape
+    if V < 32 * ARGMAX_CHUNK:  # few chunks: the extra calls cost more than they save
+        return logits.argmax(-1)
+    whole = V - V % ARGMAX_CHUNK
+    maxima = logits[:, :whole].view(B, -1, ARGMAX_CHUNK).amax(-1)  # (B, V // CHUNK)
+    if whole < V:
+        maxima = torch.cat([maxima, logits[:, whole:].amax(-1, keepdim=True)], 1)
+    chunk = maxima.argmax(-1, keepdim=True)  # (B, 1)
+    # the chunk's indices, the last chunk's clamped to V - 1: repeats after the real last element
+    index = (chunk * ARGMAX_CHUNK + torch.arange(ARGMAX_CHUNK, device=logits.device)).clamp_(max=V - 1)
+    return index.gather(1, logits.gather(1, index).argmax(-1, keepdim=True))[:, 0]
 
 
 def until_stop(row: list[int], stop_tokens: set[int]) -> list[int]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from polytrain.config import ModelConfig
-from polytrain.inference.generate import generate, sample
+from polytrain.inference.generate import argmax_rows, generate, sample
 from polytrain.models.common.init import init_plain
 from polytrain.models.llama.model import Llama
 
@@ -84,6 +84,19 @@ def test_sample_filters():
     assert set(sample(logits, 1.0, top_k=3, generator=g).tolist()) == {0, 1, 2}
     assert set(sample(logits, 1.0, generator=g).tolist()) == {0, 1, 2, 3}
     assert sample(logits[:1], 0.0).tolist() == [0]
+
+
+@pytest.mark.parametrize("vocab", [100, 4096, 32000, 50257])  # one chunk count too few; whole chunks; a tail
+def test_chunked_argmax_is_argmax_with_its_ties_and_nans(vocab):
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab))
+    logits[1, 7] = logits[1, vocab - 1] = 50.0  # a tie: the first wins
+    logits[2, vocab - 1] = 50.0  # the maximum in the last, shorter chunk
+    logits[3] = 2.0  # every element equal
+    logits[4, 9] = logits[4, vocab // 2] = float("nan")  # argmax returns the first NaN
+    logits[5, min(3 * 128 + 5, vocab - 2)] = float("inf")
+    want = logits.argmax(-1)
+    assert torch.equal(argmax_rows(logits), want)
+    assert want[1] == 7 and want[2] == vocab - 1 and want[3] == 0 and want[4] == 9
 
 
 def test_prompt_plus_new_tokens_beyond_max_seq_len_rejected(model):
