@@ -190,6 +190,21 @@ def test_decoding_attention_reads_shared_kv_heads_without_repeating_them(monkeyp
     torch.testing.assert_close(attention.core(q, k, v, mask).double(), reference, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("mask_kind", ["none", "bool rows", "float shared"])
+@pytest.mark.parametrize("scale", [None, 1.0])
+def test_attention_as_sums_is_sdpa(mask_kind, scale):
+    from polytrain.models.common.attention import attention_as_sums
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(3, 2, 4, 16, generator=g), torch.randn(3, 2, 9, 16, generator=g),
+               torch.randn(3, 2, 9, 16, generator=g))
+    lengths = torch.tensor([2, 8, 5])[:, None, None, None]  # (B, 1, 1, 1) slots each row has written
+    mask = {"none": None, "bool rows": torch.arange(9) <= lengths,
+            "float shared": torch.randn(1, 1, 1, 9, generator=g)}[mask_kind]
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    torch.testing.assert_close(attention_as_sums(q, k, v, mask, scale), want, atol=1e-6, rtol=1e-5)
+
+
 def test_a_mask_per_head_or_query_still_repeats_the_kv_heads():
     attention = make(n_heads=4, n_kv_heads=2).layers["0"].attention
     q, k = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 5, 16)
