@@ -197,14 +197,14 @@ ARGMAX_CHUNK = 128
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits (B, V) -> (B,) the index of each row's maximum, the first of equal ones, as argmax.
 
-    torch's CPU argmax compares one element at a time (180 us for (8, 32000) fp32, a step of
-    greedy decoding every 150 tokens), its amax is vectorised: so the maximum of each chunk of
+    torch's CPU argmax compares one element at a time (180 us for (8, 32000) fp32, ~0.7% of a
+    compiled batch-8 llama 125m decoding step), its amax is vectorised: so the maximum of each chunk of
     ARGMAX_CHUNK elements first, then argmax over the chunk maxima and inside the first chunk
     holding the row's maximum (57 us). A NaN, a maximum to amax and argmax alike, wins as in argmax.
     """
     B, V = logits.shape
-    if V < 32 * ARGMAX_CHUNK:  # few chunks: the extra calls cost more than they save
-        return logits.argmax(-1)
+    if B * V < 32 * 1024:  # the chunks' ~35 us of calls cost more than they save (measured on
+        return logits.argmax(-1)  # one Xeon: argmax 47 against 42 us at (8, 4096), 14 against 35 at (1, 8192))
     whole = V - V % ARGMAX_CHUNK
     maxima = logits[:, :whole].view(B, -1, ARGMAX_CHUNK).amax(-1)  # (B, V // CHUNK)
     if whole < V:

@@ -86,7 +86,7 @@ def test_sample_filters():
     assert sample(logits[:1], 0.0).tolist() == [0]
 
 
-@pytest.mark.parametrize("vocab", [100, 4096, 32000, 50257])  # one chunk count too few; whole chunks; a tail
+@pytest.mark.parametrize("vocab", [100, 4096, 32000, 50257])  # too small to chunk; whole chunks; a tail
 def test_chunked_argmax_is_argmax_with_its_ties_and_nans(vocab):
     logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab))
     logits[1, 7] = logits[1, vocab - 1] = 50.0  # a tie: the first wins
