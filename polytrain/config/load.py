@@ -209,6 +209,9 @@ def validate(cfg: Config) -> None:
     if t.attention_fp32 == "true" and t.precision == "fp32":
         raise ConfigError("train.attention_fp32 upcasts a 16-bit attention core: set train.precision "
                           "bf16 or fp16, or leave it auto")
+    if t.matmul_fp32 == "true" and t.precision == "fp32":
+        raise ConfigError("train.matmul_fp32 widens 16-bit products: set train.precision bf16 or fp16, "
+                          "or leave it auto")
     if t.attention_fp32 == "true" and (cfg.parallel.cp > 1 or cfg.data.packed_documents):
         raise ConfigError("train.attention_fp32 is not supported with parallel.cp > 1 or "
                           "data.packed_documents (their attention exchanges k and v, which fp32 would double)")

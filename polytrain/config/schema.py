@@ -199,6 +199,12 @@ class TrainConfig:
     tokens: 1.3-1.5x), slower for wide heads and long ones. auto = on for a CPU run whose heads are at most
     32 wide at data.seq_len <= 512 (not under context parallelism); true = always; false = never
     (benchmarks/attention_precision.py measures a shape)."""
+    matmul_fp32: str = _choices("auto", "true", "false")
+    """bf16/fp16: run the Linear layers' and the chunked loss's products as fp32 GEMMs on the 16-bit
+    operands widened, their results rounded back to 16 bits (states, activations and gradients stay
+    16-bit). On CPUs without 16-bit dot-product instructions (no AVX512-BF16 or AMX) torch emulates 16-bit
+    GEMMs and this runs them 2.5-3.7x faster. auto = on for CPU runs on such a CPU; true = always;
+    false = never (benchmarks/host_gemm.py measures a host)."""
 
 
 @dataclass

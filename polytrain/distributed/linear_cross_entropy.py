@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -68,11 +68,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 targets: torch.Tensor, chunk: int, make_grads: bool, vocab_start: int, group,
-                compile_backend: str | None) -> torch.Tensor:
+                compile_backend: str | None, matmul_dtype: torch.dtype | None) -> torch.Tensor:
         # hidden (N, D), weight (V_local, D) = vocabulary rows [vocab_start, vocab_start + V_local)
         # (all of them without a group), bias (V_local,) or None, targets (N,) with IGNORE_INDEX holes.
         # Matmuls follow the surrounding autocast (as F.linear and autograd's own backward
-        # matmuls would); the softmax and the loss are fp32.
+        # matmuls would) unless matmul_dtype says otherwise; the softmax and the loss are fp32.
         # make_grads is False under no_grad (evaluation), where needs_input_grad still says True.
         want_h, want_w, want_b = (make_grads and need for need in ctx.needs_input_grad[:3])
         n_local = weight.shape[0]
@@ -86,9 +86,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_b else None
         lse_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         target_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        # The matmul dtype (autocast's or the weight's); the weight is cast once, not per chunk.
+        # The matmul dtype (matmul_dtype, autocast's or the weight's); the weight is cast once, not per chunk.
         device_type = hidden.device.type
-        low_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+        autocast = torch.is_autocast_enabled(device_type)  # off when matmul_dtype is given
+        low_dtype = matmul_dtype or (torch.get_autocast_dtype(device_type) if autocast else weight.dtype)
         weight_low = weight.to(low_dtype)
         bias_low = bias.to(low_dtype) if bias is not None else None
         # fp16's 5 exponent bits need a per-chunk scale (bf16 and fp32 have fp32's range).
@@ -133,12 +134,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return (grad_h * grad_loss.to(grad_h.dtype) if grad_h is not None else None,
                 (grad_w * grad_loss).to(w_dtype) if grad_w is not None else None,
                 (grad_b * grad_loss).to(b_dtype) if grad_b is not None else None,
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          targets: torch.Tensor, chunk: int | None = None, *, vocab_start: int = 0,
-                         group=None, compile_backend: str | None = None) -> torch.Tensor:
+                         group=None, compile_backend: str | None = None,
+                         matmul_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Mean cross-entropy of `hidden @ weight.T + bias` against `targets`, chunk tokens at a time.
 
     hidden (..., D), targets (...) with -100 = not scored; equals
@@ -147,12 +149,16 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
     `vocab_start`, the hidden states' gradient is this rank's part, and every rank must pass
     the same `chunk` (one all-gather per chunk). `compile_backend` (train.compile) runs each
     chunk's softmax and its gradient as two compiled kernels, each one pass over the chunk's logits.
+    `matmul_dtype` (train.matmul_fp32: fp32) runs the chunks' products in that dtype instead of
+    autocast's or the weight's.
     """
     hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, D)
     if chunk is None:
         chunk = chunk_tokens(hidden.shape[0], hidden.shape[1], weight.shape[0])
-    return _LinearCrossEntropy.apply(hidden, weight, bias, targets.reshape(-1), chunk,
-                                     torch.is_grad_enabled(), vocab_start, group, compile_backend)
+    # A surrounding autocast would round matmul_dtype's products to its own dtype.
+    with torch.autocast(hidden.device.type, enabled=False) if matmul_dtype is not None else nullcontext():
+        return _LinearCrossEntropy.apply(hidden, weight, bias, targets.reshape(-1), chunk,
+                                         torch.is_grad_enabled(), vocab_start, group, compile_backend, matmul_dtype)
 
 
 def _chunk_lse(logits: torch.Tensor, t: torch.Tensor, hit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,6 +216,8 @@ class ScoringHead:
     deferred: bool = False
     compile_backend: str | None = None
     """Set (train.compile): the loss's per-chunk kernels are compiled with this torch.compile backend."""
+    matmul_dtype: torch.dtype | None = None
+    """Set (train.matmul_fp32): the chunks' products run in this dtype, not the weight's or autocast's."""
 
     @contextmanager
     def scoring(self, targets: torch.Tensor) -> Iterator[None]:

@@ -119,10 +119,11 @@ def split_is_faster(weights: list[torch.Tensor], rows: int, blocks: int, others:
 
 
 def _eligible(module: nn.Module) -> bool:
-    """A plain nn.Linear with a plain, contiguous host weight, whose forward is its class's: an
-    instance forward (a user's own, or an enclosing threaded_linears') is neither replaced nor
-    deleted on exit."""
-    if type(module) is not nn.Linear or "forward" in module.__dict__:
+    """A plain nn.Linear with a plain, contiguous host weight, whose forward is its class's or one
+    marked `yields_to_inference` (train.matmul_fp32's, put back on exit): any other instance forward
+    (a user's own, or an enclosing threaded_linears') is neither replaced nor deleted on exit."""
+    own = module.__dict__.get("forward")
+    if type(module) is not nn.Linear or (own is not None and not getattr(own, "yields_to_inference", False)):
         return False
     weight = module.weight
     return type(weight) is nn.Parameter and weight.device.type == "cpu" and weight.is_contiguous()
@@ -136,12 +137,14 @@ def _streams(dtype: torch.dtype, rows: int) -> bool:
 
 def _thin_forward(module: nn.Linear, rows: int, way: str,
                   product: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """module's forward with inputs of at most `rows` rows computed as product(x (m, in)) -> (m, out);
-    `forward.way` names the product ("split" or "stream")."""
+    """module's forward with inputs of at most `rows` rows computed as product(x (m, in)) -> (m, out),
+    others by the forward it had; `forward.way` names the product ("split" or "stream")."""
+    before = module.__dict__.get("forward") or (lambda x: F.linear(x, module.weight, module.bias))
+
     def forward(x: torch.Tensor) -> torch.Tensor:  # x (..., in) -> (..., out)
         m = x.numel() // x.shape[-1]
-        if m > rows or x.dtype != module.weight.dtype:  # prefill, or a caller's autocast: as nn.Linear
-            return F.linear(x, module.weight, module.bias)
+        if m > rows or x.dtype != module.weight.dtype:  # prefill, or a caller's autocast: as before
+            return before(x)
         return product(x.reshape(m, -1).contiguous()).view(*x.shape[:-1], -1)
 
     forward.way = way
@@ -176,7 +179,7 @@ def threaded_linears(model: nn.Module, rows: int, enabled: bool = True):
     through the host kernel, or are split over torch's threads where that measured faster for
     their shape (module docstring); every layer's own forward is back on exit. Yields the
     number of layers changed."""
-    patched = []
+    patched, before = [], {}
     if enabled:
         by_shape: dict[tuple, list[nn.Linear]] = {}
         for module in model.modules():
@@ -187,10 +190,14 @@ def threaded_linears(model: nn.Module, rows: int, enabled: bool = True):
             make_forward = _thin_way(shape, weights, rows, torch.get_num_threads())
             if make_forward is not None:
                 for module in modules:
+                    before[module] = module.__dict__.get("forward")
                     module.forward = make_forward(module)
                 patched += modules
     try:
         yield len(patched)
     finally:
         for module in patched:
-            del module.forward
+            if before[module] is None:
+                del module.forward
+            else:
+                module.forward = before[module]

@@ -33,11 +33,11 @@ from polytrain.distributed.activation_checkpoint import apply_activation_checkpo
 from polytrain.distributed.context_parallel import ContextParallel
 from polytrain.distributed.context_parallel.apply import parallelize_context
 from polytrain.distributed.data_parallel import DataParallel
-from polytrain.distributed.strategies import build_data_parallel, param_dtype_of
 from polytrain.distributed.materialize import materialize
 from polytrain.distributed.pipeline import PipelinePlan, PipelineRunner, split_model
 from polytrain.distributed.pipeline.build import StageShapes, build_pipeline
 from polytrain.distributed.runtime import Runtime
+from polytrain.distributed.strategies import build_data_parallel, param_dtype_of
 from polytrain.distributed.tensor_parallel import Context, parallelize_model
 from polytrain.errors import ConfigError
 from polytrain.lora import adapter_parameter_count, apply_lora
@@ -54,6 +54,8 @@ from polytrain.train.loss import (
     scoring_head,
     sharded_logits_loss,
 )
+from polytrain.train.matmul_fp32 import linears_in_fp32
+from polytrain.train.matmul_fp32 import wanted as wants_fp32_matmuls
 
 AUTOCAST = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -102,6 +104,8 @@ class BuiltModel:
     """Compile time, graphs and graph breaks of this process since the blocks were compiled (train.compile)."""
     fp32_attention: bool = False
     """Whether its attention cores run in fp32 inside 16-bit training (train.attention_fp32)."""
+    fp32_matmuls: bool = False
+    """Whether its Linear layers' and loss head's products run as fp32 GEMMs (train.matmul_fp32)."""
 
 
 def fp32_attention(cfg: Config, model: nn.Module, device: torch.device, cp: ContextParallel | None) -> bool:
@@ -141,12 +145,15 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
     cp = ContextParallel(runtime.cp) if runtime.cp.size > 1 or cfg.data.packed_documents else None
     tp_ctx, compiled = None, 0
     use_fp32_attention = fp32_attention(cfg, model, runtime.device, cp)
+    use_fp32_matmuls = wants_fp32_matmuls(cfg.train.matmul_fp32, cfg.train.precision, runtime.device.type)
     for stage in stages.values():
         if cp is not None:
             parallelize_context(stage, cp)  # first: tensor parallelism and checkpointing wrap its cores
         tp_ctx = parallelize_model(stage, plan, runtime)  # the same context kind on every stage
         if use_fp32_attention:
             attention_in_fp32(stage)  # compiled and recomputed with the casts
+        if use_fp32_matmuls:
+            linears_in_fp32(stage)  # after tp (its sharded layers keep their own products), before compile
         compiled += compile_blocks(stage) if cfg.train.compile else 0  # tp inside, recomputation around
         apply_activation_checkpointing(stage, cfg.train.activation_checkpoint)
     timer = CompileTimer.started(compiled) if cfg.train.compile else None  # dp's hooks stay outside
@@ -178,7 +185,8 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
         loss = ModelLoss(logits_loss, head)
     else:
         loss = ContextParallelLoss(ModelLoss(sharded_logits_loss(logits_loss, cp), head), cp, eot_id)
-    return BuiltModel(model, dp, loss, runner, tp_ctx, cp, num_params, flops, adapters, timer, use_fp32_attention)
+    return BuiltModel(model, dp, loss, runner, tp_ctx, cp, num_params, flops, adapters, timer, use_fp32_attention,
+                      use_fp32_matmuls)
 
 
 def place_model(runtime: Runtime, module: nn.Module, cfg: Config, seed: int) -> BuiltModel:

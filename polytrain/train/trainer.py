@@ -84,6 +84,7 @@ class Trainer:
         self.compile_timer = built.compile_timer  # train.compile: reported after the first step
         self.num_adapter_params = built.num_adapter_params
         self.fp32_attention = built.fp32_attention
+        self.fp32_matmuls = built.fp32_matmuls
         # Adapters-only checkpoints name where their frozen base comes from (set again on loading).
         lo = cfg.lora
         self.base = f"init:{cfg.run.seed}" if lo.rank and lo.only_optimize else None
@@ -430,7 +431,8 @@ class Trainer:
                 + (f"; ramped up from {t.batch_rampup_start} by {t.batch_rampup_increment} over "
                    f"{t.batch_rampup_samples} samples" if self.batch_schedule.ramps else "") + ") | "
                 f"{self.cfg.run.steps} steps | {self.cfg.train.precision}"
-                + (" (attention core in fp32)" if self.fp32_attention else "") + f" | run dir {self.run_dir}")
+                + (" (attention core in fp32)" if self.fp32_attention else "")
+                + (" (products as fp32 GEMMs)" if self.fp32_matmuls else "") + f" | run dir {self.run_dir}")
 
     def _cp_name(self) -> str:
         d = self.dims

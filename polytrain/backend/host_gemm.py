@@ -1,0 +1,67 @@
+"""16-bit matrix products on a host CPU without 16-bit dot-product instructions, run as fp32 GEMMs.
+
+A bf16 GEMM on an x86 CPU that lacks AVX512-BF16 and AMX (an Ice Lake Xeon, an EPYC before
+Zen 4) is emulated by torch's oneDNN: on one thread of the project's Ice Lake Xeon, forward
+and both backward products of llama tiny's layers (2048 tokens x 192 -> 320, 1024; 512 -> 192)
+take 25, 78 and 36 ms in bf16 against 10, 21 and 11 ms with the operands widened to fp32 and
+the results rounded back (2.5-3.7x), and fp16's are slower still (`benchmarks/host_gemm.py`).
+The fp32 route computes what the 16-bit GEMM defines: a bf16 or fp16 product is exact in
+fp32, the sums run in fp32 (as the 16-bit GEMM's accumulator does), and the result is rounded
+once to 16 bits; only the order of the sums differs, so results match to fp32 rounding before
+that last rounding.
+
+`linear(x, weight, bias, dtype)` is F.linear in `dtype` computed that way, with a backward
+that keeps the 16-bit operands (the same saved tensors as F.linear's, no fp32 copies held
+between forward and backward) and widens them again when the gradients are made.
+`emulates(dtype)` says whether this host would emulate a `dtype` GEMM.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+
+import torch
+import torch.nn.functional as F
+
+LOW_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def emulates(dtype: torch.dtype) -> bool:
+    """Whether this host's CPU has no dot-product instructions for `dtype` GEMMs (bf16: AVX512-BF16
+    or AMX; fp16: AMX-FP16), so torch emulates them. Only x86 is judged; elsewhere False."""
+    if dtype not in LOW_DTYPES or platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return False
+    if dtype == torch.bfloat16:
+        return not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return not torch.cpu._is_amx_fp16_supported()
+
+
+class _Fp32Linear(torch.autograd.Function):
+    """x (..., in) @ weight (out, in).T + bias (out,), all in one 16-bit dtype, through fp32 GEMMs."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        out = F.linear(x.float(), weight.float(), bias.float() if bias is not None else None)
+        return out.to(x.dtype)  # (..., out)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        want_x, want_w, want_b = ctx.needs_input_grad
+        dy = grad_out.reshape(-1, grad_out.shape[-1]).float()  # (N, out)
+        grad_x = (dy @ weight.float()).view(x.shape).to(x.dtype) if want_x else None  # (..., in)
+        grad_w = (dy.t() @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype) if want_w else None  # (out, in)
+        grad_b = dy.sum(0).to(grad_out.dtype) if want_b and ctx.has_bias else None  # (out,)
+        return grad_x, grad_w, grad_b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """F.linear(x, weight, bias) with operands rounded to `dtype` (16-bit) and its products run as
+    fp32 GEMMs; the output is `dtype`, as autocast's or a 16-bit layer's F.linear returns it."""
+    bias = bias.to(dtype) if bias is not None else None
+    with torch.autocast(x.device.type, enabled=False):  # autocast would round the fp32 GEMM to 16 bits
+        return _Fp32Linear.apply(x.to(dtype), weight.to(dtype), bias)

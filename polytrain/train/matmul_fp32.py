@@ -1,0 +1,64 @@
+"""16-bit training's matrix products run as fp32 GEMMs where the host emulates 16-bit ones
+(`train.matmul_fp32`).
+
+With bf16 model states every Linear multiplies bf16 operands. On a CPU without bf16
+dot-product instructions torch emulates those GEMMs at a third of fp32's speed or less
+(`backend.host_gemm`): there the same products, widened to fp32 and rounded back to 16 bits,
+give the 16-bit GEMM's result (to fp32 rounding) 2.5-3.7x faster, while weights, gradients,
+activations and optimizer states stay 16-bit. `auto` turns it on for CPU runs whose 16-bit
+dtype the host's CPU emulates (`backend.host_gemm.emulates`).
+
+Like train.attention_fp32 it is applied from outside the model, after tensor parallelism and
+before compilation and recomputation: each plain nn.Linear gets an instance forward that
+calls `backend.host_gemm.linear` (module names, parameters and checkpoints untouched), and
+the chunked loss head runs its chunks' products in fp32 (`ScoringHead.matmul_dtype`).
+Left in 16 bits: tensor parallelism's sharded layers (which run their own products), LoRA's
+frozen base product (its adapters are plain Linears and are covered), and any subclass of
+nn.Linear with its own forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from polytrain.backend import host_gemm
+
+LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def wanted(setting: str, precision: str, device_type: str) -> bool:
+    """Whether train.matmul_fp32 = `setting` runs a `precision` model's products on `device_type` in
+    fp32: `auto` where the host emulates that precision's GEMMs; never for an fp32 model."""
+    if precision not in LOW_DTYPES or setting == "false":
+        return False
+    return setting == "true" or (device_type == "cpu" and host_gemm.emulates(LOW_DTYPES[precision]))
+
+
+def _fp32_forward(layer: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(x: torch.Tensor) -> torch.Tensor:  # x (..., in) -> (..., out)
+        device_type = x.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else layer.weight.dtype
+        if dtype not in host_gemm.LOW_DTYPES:  # an fp32 layer (a value head kept in fp32)
+            return F.linear(x, layer.weight, layer.bias)
+        return host_gemm.linear(x, layer.weight, layer.bias, dtype)
+
+    forward.yields_to_inference = True  # decoding's few-row kernels (inference.threaded_matmul) may take over
+    return forward
+
+
+def linears_in_fp32(model: nn.Module) -> int:
+    """Give every plain nn.Linear of `model` the fp32-GEMM forward and its chunked loss head fp32
+    products; returns how many layers changed."""
+    changed = 0
+    for module in model.modules():
+        if hasattr(module, "matmul_dtype"):  # the chunked loss head (a ScoringHead), sharded or not
+            module.matmul_dtype = torch.float32
+            changed += 1
+        elif type(module) is nn.Linear and "forward" not in module.__dict__:
+            module.forward = _fp32_forward(module)
+            changed += 1
+    return changed
