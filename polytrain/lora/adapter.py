@@ -30,6 +30,10 @@ from polytrain.errors import ConfigError
 class LoRALinear(nn.Linear):
     """An nn.Linear plus a low-rank update; built from an existing Linear, sharing its parameters."""
 
+    product = staticmethod(F.linear)
+    """How its products run, (x, weight, bias=None) -> x weight^T + bias: train.matmul_fp32 sets
+    an fp32-GEMM one on the instance."""
+
     def __init__(self, linear: nn.Linear, rank: int, alpha: float, dropout: float = 0.0):
         nn.Module.__init__(self)  # not nn.Linear's: the weight and bias already exist
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -40,8 +44,8 @@ class LoRALinear(nn.Linear):
         self.rank, self.scaling, self.dropout = rank, alpha / rank, dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        update = lora_update(x, self.lora_a, self.lora_b, self.scaling, self.dropout, self.training)
-        return F.linear(x, self.weight, self.bias) + update
+        update = lora_update(x, self.lora_a, self.lora_b, self.scaling, self.dropout, self.training, self.product)
+        return self.product(x, self.weight, self.bias) + update
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -49,10 +53,11 @@ class LoRALinear(nn.Linear):
 
 
 def lora_update(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, dropout: float,
-                training: bool) -> torch.Tensor:
-    """scaling * dropout(x) a^T b^T: x (..., in) -> (..., out) for a (r, in), b (out, r), or shards of them."""
+                training: bool, product=F.linear) -> torch.Tensor:
+    """scaling * dropout(x) a^T b^T: x (..., in) -> (..., out) for a (r, in), b (out, r), or shards of
+    them, each product by `product(x, weight)` (LoRALinear.product)."""
     h = F.dropout(x, dropout, training) if dropout else x
-    return scaling * F.linear(F.linear(h, a), b)  # (..., r) -> (..., out)
+    return scaling * product(product(h, a), b)  # (..., r) -> (..., out)
 
 
 def _patterns(targets: str) -> list[list[str]]:

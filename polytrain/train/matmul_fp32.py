@@ -12,9 +12,9 @@ Like train.attention_fp32 it is applied from outside the model, after tensor par
 before compilation and recomputation: each plain nn.Linear gets an instance forward that
 calls `backend.host_gemm.linear` (module names, parameters and checkpoints untouched), and
 the chunked loss head runs its chunks' products in fp32 (`ScoringHead.matmul_dtype`).
-Left in 16 bits: tensor parallelism's sharded layers (which run their own products), LoRA's
-frozen base product (its adapters are plain Linears and are covered), and any subclass of
-nn.Linear with its own forward.
+LoRA layers (`LoRALinear.product`) run their base and adapter products the same way. Left in 16
+bits: tensor parallelism's sharded layers (which run their own products, LoRA's under tp too)
+and any other subclass of nn.Linear with its own forward.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from polytrain.backend import host_gemm
+from polytrain.lora import LoRALinear
 
 LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -38,27 +39,36 @@ def wanted(setting: str, precision: str, device_type: str) -> bool:
     return setting == "true" or (device_type == "cpu" and host_gemm.emulates(LOW_DTYPES[precision]))
 
 
+def fp32_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) as fp32 GEMMs when it would run in 16 bits (a 16-bit weight, or
+    a 16-bit autocast); an fp32 product (a value head kept in fp32) stays F.linear."""
+    device_type = x.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+    if dtype not in host_gemm.LOW_DTYPES:
+        return F.linear(x, weight, bias)
+    return host_gemm.linear(x, weight, bias, dtype)
+
+
 def _fp32_forward(layer: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
     def forward(x: torch.Tensor) -> torch.Tensor:  # x (..., in) -> (..., out)
-        device_type = x.device.type
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else layer.weight.dtype
-        if dtype not in host_gemm.LOW_DTYPES:  # an fp32 layer (a value head kept in fp32)
-            return F.linear(x, layer.weight, layer.bias)
-        return host_gemm.linear(x, layer.weight, layer.bias, dtype)
+        return fp32_product(x, layer.weight, layer.bias)
 
     forward.yields_to_inference = True  # decoding's few-row kernels (inference.threaded_matmul) may take over
     return forward
 
 
 def linears_in_fp32(model: nn.Module) -> int:
-    """Give every plain nn.Linear of `model` the fp32-GEMM forward and its chunked loss head fp32
-    products; returns how many layers changed."""
+    """Give every plain nn.Linear of `model` the fp32-GEMM forward, LoRA layers fp32 products and the
+    chunked loss head fp32 chunk products; returns how many layers changed."""
     changed = 0
     for module in model.modules():
         if hasattr(module, "matmul_dtype"):  # the chunked loss head (a ScoringHead), sharded or not
             module.matmul_dtype = torch.float32
-            changed += 1
+        elif isinstance(module, LoRALinear):
+            module.product = fp32_product
         elif type(module) is nn.Linear and "forward" not in module.__dict__:
             module.forward = _fp32_forward(module)
-            changed += 1
+        else:
+            continue
+        changed += 1
     return changed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import types
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from polytrain.config import load_config
 from polytrain.distributed.linear_cross_entropy import linear_cross_entropy
 from polytrain.errors import ConfigError
 from polytrain.inference.threaded_matmul import threaded_linears
+from polytrain.lora import LoRALinear
 from polytrain.train.chunked_loss import LossHead
 from polytrain.train.matmul_fp32 import linears_in_fp32, wanted
 from polytrain.train.trainer import Trainer
@@ -98,6 +100,29 @@ def test_plain_linears_and_the_loss_head_change_and_nothing_else():
     assert "forward" in model[0].__dict__ and "forward" not in model[1].__dict__
     assert model.output.matmul_dtype == torch.float32 and "forward" not in model.output.__dict__
     assert model.state_dict().keys() == state.keys()
+
+
+def test_lora_layers_run_base_and_adapter_products_in_fp32(monkeypatch):
+    seen = []
+
+    def spy(x, w, b=None):
+        seen.append((x.dtype, w.dtype))
+        return F.linear(x, w, b)
+
+    monkeypatch.setattr(host_gemm, "F", types.SimpleNamespace(linear=spy))
+    base = nn.Linear(96, 72).bfloat16()
+    layer = LoRALinear(base, rank=4, alpha=8)
+    with torch.no_grad():
+        layer.lora_b.normal_()
+        layer.lora_a.normal_()
+    x = _operands()[0]
+    plain = layer(x)
+    assert linears_in_fp32(layer) == 1 and layer.product is not F.linear
+    widened = layer(x)
+    assert seen == [(torch.float32, torch.float32)] * 3  # base, x a^T, (x a^T) b^T
+    torch.testing.assert_close(widened, plain, rtol=2 ** -7, atol=2 ** -6)  # bf16 roundings apart
+    widened.float().sum().backward()
+    assert layer.lora_a.grad.dtype == layer.lora_b.grad.dtype == torch.bfloat16
 
 
 def test_an_fp32_layer_keeps_f_linear():
