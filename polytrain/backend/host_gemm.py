@@ -3,8 +3,9 @@
 A bf16 GEMM on an x86 CPU that lacks AVX512-BF16 and AMX (an Ice Lake Xeon, an EPYC before
 Zen 4) is emulated by torch's oneDNN: on one thread of the project's Ice Lake Xeon, forward
 and both backward products of llama tiny's layers (2048 tokens x 192 -> 320, 1024; 512 -> 192)
-take 25, 78 and 36 ms in bf16 against 10, 21 and 11 ms with the operands widened to fp32 and
-the results rounded back (2.5-3.7x), and fp16's are slower still (`benchmarks/host_gemm.py`).
+take 24, 74 and 38 ms in bf16 against 8, 24 and 13 ms with the operands widened to fp32 and
+the results rounded back (2.9-3.0x; gpt2 125m's 4.1-5.2x), and fp16's are slower still
+(`benchmarks/host_gemm.py`, benchmarks/RESULTS.md).
 The fp32 route computes what the 16-bit GEMM defines: a bf16 or fp16 product is exact in
 fp32, the sums run in fp32 (as the 16-bit GEMM's accumulator does), and the result is rounded
 once to 16 bits; only the order of the sums differs, so results match to fp32 rounding before

@@ -203,7 +203,7 @@ class TrainConfig:
     """bf16/fp16: run the Linear layers' and the chunked loss's products as fp32 GEMMs on the 16-bit
     operands widened, their results rounded back to 16 bits (states, activations and gradients stay
     16-bit). On CPUs without 16-bit dot-product instructions (no AVX512-BF16 or AMX) torch emulates 16-bit
-    GEMMs and this runs them 2.5-3.7x faster. auto = on for CPU runs on such a CPU; true = always;
+    GEMMs and this runs them 2.4-5x faster. auto = on for CPU runs on such a CPU; true = always;
     false = never (benchmarks/host_gemm.py measures a host)."""
 
 

@@ -4,7 +4,7 @@
 With bf16 model states every Linear multiplies bf16 operands. On a CPU without bf16
 dot-product instructions torch emulates those GEMMs at a third of fp32's speed or less
 (`backend.host_gemm`): there the same products, widened to fp32 and rounded back to 16 bits,
-give the 16-bit GEMM's result (to fp32 rounding) 2.5-3.7x faster, while weights, gradients,
+give the 16-bit GEMM's result (to fp32 rounding) 2.4-5x faster, while weights, gradients,
 activations and optimizer states stay 16-bit. `auto` turns it on for CPU runs whose 16-bit
 dtype the host's CPU emulates (`backend.host_gemm.emulates`).
 

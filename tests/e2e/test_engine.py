@@ -197,10 +197,10 @@ def test_fp16_skipped_steps_hold_the_schedule_in_script_and_trainer_alike(small_
     # The script's model computes F.cross_entropy on full logits: the Trainer's plain loss.
     # The engine autocasts the user's fp32 model (it keeps fp32 weights), which is the Trainer's
     # train.autocast_only mode; the Trainer's default fp16 keeps 16-bit weights and overflows elsewhere.
-    # The engine runs the user's model as it is: its attention core autocasts to fp16 as well.
+    # The engine runs the user's model as it is: its attention core and products autocast to fp16 too.
     Trainer(load_config(None, overrides + ["--run.log_every", "1", "--train.chunked_loss", "false",
                                            "--train.autocast_only", "true",
-                                           "--train.attention_fp32", "false"])).train()
+                                           "--train.attention_fp32", "false", "--train.matmul_fp32", "false"])).train()
     want, got = train_rows(tmp_path / "trainer"), _script().main(_script_args(small_corpus, path))
     assert 0 < sum(r["grad_norm"] is None for r in want) < STEPS
     assert [r["grad_norm"] is None for r in got] == [r["grad_norm"] is None for r in want]
