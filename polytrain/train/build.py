@@ -145,7 +145,8 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
     cp = ContextParallel(runtime.cp) if runtime.cp.size > 1 or cfg.data.packed_documents else None
     tp_ctx, compiled = None, 0
     use_fp32_attention = fp32_attention(cfg, model, runtime.device, cp)
-    use_fp32_matmuls = wants_fp32_matmuls(cfg.train.matmul_fp32, cfg.train.precision, runtime.device.type)
+    use_fp32_matmuls = wants_fp32_matmuls(cfg.train.matmul_fp32, AUTOCAST[cfg.train.precision],
+                                         runtime.device.type)
     for stage in stages.values():
         if cp is not None:
             parallelize_context(stage, cp)  # first: tensor parallelism and checkpointing wrap its cores

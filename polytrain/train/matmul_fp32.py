@@ -28,15 +28,12 @@ import torch.nn.functional as F
 from polytrain.backend import host_gemm
 from polytrain.lora import LoRALinear
 
-LOW_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def wanted(setting: str, precision: str, device_type: str) -> bool:
-    """Whether train.matmul_fp32 = `setting` runs a `precision` model's products on `device_type` in
-    fp32: `auto` where the host emulates that precision's GEMMs; never for an fp32 model."""
-    if precision not in LOW_DTYPES or setting == "false":
+def wanted(setting: str, dtype: torch.dtype, device_type: str) -> bool:
+    """Whether train.matmul_fp32 = `setting` runs the products of a model computing in `dtype` on
+    `device_type` in fp32: `auto` where the host emulates `dtype` GEMMs; never for an fp32 model."""
+    if dtype not in host_gemm.LOW_DTYPES or setting == "false":
         return False
-    return setting == "true" or (device_type == "cpu" and host_gemm.emulates(LOW_DTYPES[precision]))
+    return setting == "true" or (device_type == "cpu" and host_gemm.emulates(dtype))
 
 
 def fp32_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -81,9 +81,10 @@ def test_emulation_is_read_from_the_cpu_flags():
 
 
 def test_auto_follows_the_host_and_fp32_models_have_nothing_to_widen():
-    assert wanted("auto", "bf16", "cpu") == host_gemm.emulates(torch.bfloat16)
-    assert not wanted("auto", "bf16", "cuda") and wanted("true", "bf16", "cuda")
-    assert not wanted("false", "fp16", "cpu") and not wanted("true", "fp32", "cpu")
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    assert wanted("auto", bf16, "cpu") == host_gemm.emulates(bf16)
+    assert not wanted("auto", bf16, "cuda") and wanted("true", bf16, "cuda")
+    assert not wanted("false", fp16, "cpu") and not wanted("true", fp32, "cpu")
     with pytest.raises(ConfigError, match="matmul_fp32"):
         load_config(None, ["--train.matmul_fp32", "true"])  # fp32 training
 
