@@ -53,9 +53,11 @@ class _Fp32Linear(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         x, weight = ctx.saved_tensors
         want_x, want_w, want_b = ctx.needs_input_grad
-        dy = grad_out.reshape(-1, grad_out.shape[-1]).float()  # (N, out)
-        grad_x = (dy @ weight.float()).view(x.shape).to(x.dtype) if want_x else None  # (..., in)
-        grad_w = (dy.t() @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype) if want_w else None  # (out, in)
+        # A backward called inside autocast runs under it: it would round these GEMMs to 16 bits.
+        with torch.autocast(grad_out.device.type, enabled=False):
+            dy = grad_out.reshape(-1, grad_out.shape[-1]).float()  # (N, out)
+            grad_x = (dy @ weight.float()).view(x.shape).to(x.dtype) if want_x else None  # (..., in)
+            grad_w = (dy.t() @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype) if want_w else None  # (out, in)
         grad_b = dy.sum(0).to(grad_out.dtype) if want_b and ctx.has_bias else None  # (out,)
         return grad_x, grad_w, grad_b
 

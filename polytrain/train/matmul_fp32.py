@@ -12,9 +12,11 @@ Like train.attention_fp32 it is applied from outside the model, after tensor par
 before compilation and recomputation: each plain nn.Linear gets an instance forward that
 calls `backend.host_gemm.linear` (module names, parameters and checkpoints untouched), and
 the chunked loss head runs its chunks' products in fp32 (`ScoringHead.matmul_dtype`).
-LoRA layers (`LoRALinear.product`) run their base and adapter products the same way. Left in 16
-bits: tensor parallelism's sharded layers (which run their own products, LoRA's under tp too)
-and any other subclass of nn.Linear with its own forward.
+Layers that run their own products take them through a `product` attribute, which is set to
+`fp32_product`: LoRA layers (`LoRALinear.product`) and tensor parallelism's sharded layers
+(1D column, row and vocabulary head, LoRA's under tp, 2D/2.5D and 3D), whose overlapped
+backward (`parallel.tp_overlap`) runs its input and weight gradients through it too. Left in
+16 bits: any other subclass of nn.Linear with its own forward.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from polytrain.backend import host_gemm
-from polytrain.lora import LoRALinear
+
 
 def wanted(setting: str, dtype: torch.dtype, device_type: str) -> bool:
     """Whether train.matmul_fp32 = `setting` runs the products of a model computing in `dtype` on
@@ -55,17 +57,19 @@ def _fp32_forward(layer: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def linears_in_fp32(model: nn.Module) -> int:
-    """Give every plain nn.Linear of `model` the fp32-GEMM forward, LoRA layers fp32 products and the
-    chunked loss head fp32 chunk products; returns how many layers changed."""
+    """Give every plain nn.Linear of `model` the fp32-GEMM forward, layers that run their own
+    products (LoRA's, tensor parallelism's) fp32 products and the chunked loss head fp32 chunk
+    products; returns how many layers changed."""
     changed = 0
     for module in model.modules():
-        if hasattr(module, "matmul_dtype"):  # the chunked loss head (a ScoringHead), sharded or not
-            module.matmul_dtype = torch.float32
-        elif isinstance(module, LoRALinear):
-            module.product = fp32_product
-        elif type(module) is nn.Linear and "forward" not in module.__dict__:
+        head, own_products = hasattr(module, "matmul_dtype"), hasattr(module, "product")
+        if type(module) is nn.Linear and "forward" not in module.__dict__:
             module.forward = _fp32_forward(module)
-        else:
+        elif not (head or own_products):
             continue
+        if head:  # the chunked loss head (a ScoringHead), sharded or not
+            module.matmul_dtype = torch.float32
+        if own_products:  # LoRALinear and tp's sharded layers: (x, weight, bias=None) -> x weight^T + bias
+            module.product = fp32_product
         changed += 1
     return changed

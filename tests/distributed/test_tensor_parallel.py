@@ -4,7 +4,8 @@ Every rank builds the same single-device Llama and a tensor-parallel copy of it,
 both on the same batch and compares: each block's output, the logits, the loss, every
 parameter's gradient, greedy generation with a KV cache, and the bytes the collectives
 sent. Dropout streams are checked for equal masks where activations are replicated and
-different ones where they are sharded.
+different ones where they are sharded. With bf16 states and train.matmul_fp32, no GEMM
+runs in bf16 and the loss and gradients follow the single-device model's.
 """
 
 from __future__ import annotations
@@ -184,12 +185,45 @@ def _bf16_states_overlap(rank: int, world_size: int) -> None:
         torch.testing.assert_close(grad, grads[False][name], rtol=2e-2, atol=2e-3, msg=name)
 
 
+def _bf16_products_in_fp32(rank: int, world_size: int) -> None:
+    """train.matmul_fp32 on the sharded layers: with bf16 states, tp = 2 (plain, SP, overlapped entry)
+    runs no bf16 GEMM, forward or backward, and its loss and gradients follow the single-device
+    model's with the same fp32 products (bf16 roundings apart: the row layers' partial sums are
+    rounded to bf16 before they are summed over tp)."""
+    import torch.nn.functional as F
+
+    from polytrain.distributed.tensor_parallel import vocab_parallel_loss
+    from polytrain.train.matmul_fp32 import linears_in_fp32
+    from tests.gemm_dtypes import GemmDtypes
+
+    gen = torch.Generator().manual_seed(4)
+    tokens, targets = (torch.randint(0, BASE.vocab_size, (B, T), generator=gen) for _ in range(2))
+    for sp, overlap in ((False, False), (True, True)):
+        ref, model, ctx, mesh = _setup(world_size, sp, BASE, overlap=overlap)
+        for m in (ref, model):
+            m.to(torch.bfloat16)
+            assert linears_in_fp32(m) > 0
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref_loss = F.cross_entropy(ref(tokens).flatten(0, 1).float(), targets.flatten())
+            ref_loss.backward()
+            with GemmDtypes() as gemms:
+                loss = vocab_parallel_loss(mesh["tp"], BASE.vocab_size)(model(tokens), targets)
+                loss.backward()
+        assert set(gemms.seen) == {torch.float32}, (sp, overlap, gemms.seen)
+        torch.testing.assert_close(loss.float(), ref_loss, rtol=1e-2, atol=0)
+        ref_params = dict(ref.named_parameters())
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(param.grad.full_tensor().float(), ref_params[name].grad.float(),
+                                       rtol=5e-2, atol=5e-3, msg=f"sp={sp} overlap={overlap}: {name}")
+
+
 def _tp2_all(rank: int, world_size: int, cases: list) -> dict:
     """One set of 2 ranks for every tp = 2 check (spawning ranks costs seconds)."""
     stats = [_compare_model(rank, world_size, *case) for case in cases]
     _compare_stages(rank, world_size)
     _frozen_after_first_backward(rank, world_size)
     _bf16_states_overlap(rank, world_size)
+    _bf16_products_in_fp32(rank, world_size)
     return {"stats": stats, "dropout": _dropout_streams(rank, world_size)}
 
 

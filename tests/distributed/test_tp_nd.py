@@ -3,7 +3,8 @@
 Layer level: every rank builds the same single-device Llama and a grid-parallel copy,
 runs both on one batch and compares the loss and every parameter's gradient (gathered
 from its grid blocks), and the peers the grid collectives used; a LayerNorm over a hidden
-split along the grid row matches nn.LayerNorm.
+split along the grid row matches nn.LayerNorm; with bf16 states and train.matmul_fp32 the 2d
+and 3d grids run no GEMM in bf16.
 Training level: 10 steps of the trainer in each grid layout (2d alone and with dp = 2,
 2.5d, 3d) follow the single-process loss and gradient-norm curve within 1e-4
 relative, and a 2d checkpoint resumes on one process and back on a 2d grid.
@@ -31,22 +32,29 @@ BASE = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, voca
 B, T = 8, 16
 
 
-def _compare(rank: int, world_size: int, mode: str, depth: int, overrides: dict) -> dict:
-    """Loss and gradients of the grid model equal the single-device model's; returns the comm tally."""
-    import torch.nn.functional as F
-
-    from polytrain.distributed.collectives import comm_stats
+def _models(world_size: int, mode: str, depth: int, cfg: ModelConfig):
+    """(single-device Llama, its grid-parallel copy, the grid's context): the same weights."""
     from polytrain.distributed.topology import ParallelDims
     from polytrain.models.common.init import init_plain
     from polytrain.models.llama.model import Llama
 
-    cfg = dataclasses.replace(BASE, **overrides)
     ref = Llama(cfg)
     init_plain(ref, 0)
     dims = ParallelDims(world_size=world_size, dp_replicate=1, dp_shard=1, zero=0, tp=world_size,
                         tp_mode=mode, tp_depth=depth)
     model = copy.deepcopy(ref)
     ctx, _ = tp_parallelize(model, dims)
+    return ref, model, ctx
+
+
+def _compare(rank: int, world_size: int, mode: str, depth: int, overrides: dict) -> dict:
+    """Loss and gradients of the grid model equal the single-device model's; returns the comm tally."""
+    import torch.nn.functional as F
+
+    from polytrain.distributed.collectives import comm_stats
+
+    cfg = dataclasses.replace(BASE, **overrides)
+    ref, model, ctx = _models(world_size, mode, depth, cfg)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (B, T), generator=gen)
     targets = torch.randint(0, cfg.vocab_size, (B, T), generator=gen)
@@ -71,6 +79,39 @@ def _compare(rank: int, world_size: int, mode: str, depth: int, overrides: dict)
 
 def _cases(rank: int, world_size: int, cases: list) -> list[dict]:
     return [_compare(rank, world_size, *case) for case in cases]
+
+
+def _bf16_products_in_fp32(rank: int, world_size: int, mode: str, depth: int) -> None:
+    """train.matmul_fp32 on grid layers: bf16 states run no bf16 GEMM, forward or backward, and the
+    loss and gradients follow the single-device model's with the same fp32 products (bf16 apart)."""
+    import torch.nn.functional as F
+
+    from polytrain.train.matmul_fp32 import linears_in_fp32
+    from tests.gemm_dtypes import GemmDtypes
+
+    ref, model, ctx = _models(world_size, mode, depth, BASE)
+    for m in (ref, model):
+        m.to(torch.bfloat16)
+        assert linears_in_fp32(m) > 0
+    gen = torch.Generator().manual_seed(1)
+    tokens, targets = (torch.randint(0, BASE.vocab_size, (B, T), generator=gen) for _ in range(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss = F.cross_entropy(ref(tokens).flatten(0, 1).float(), targets.flatten())
+        ref_loss.backward()
+        with GemmDtypes() as gemms:
+            loss = ctx.loss_fn(BASE.vocab_size)(model(tokens), targets)
+            loss.backward()
+    assert set(gemms.seen) == {torch.float32}, (mode, gemms.seen)
+    torch.testing.assert_close(loss.float(), ref_loss, rtol=1e-2, atol=0)
+    ref_params = dict(ref.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad.full_tensor().float(), ref_params[name].grad.float(),
+                                   rtol=5e-2, atol=5e-3, msg=f"{mode}: {name}")
+
+
+def _8_rank_checks(rank: int, world_size: int, cases: list) -> list[dict]:
+    _bf16_products_in_fp32(rank, world_size, "3d", 1)
+    return _cases(rank, world_size, cases)
 
 
 def _layer_norm(rank: int, world_size: int) -> None:
@@ -106,6 +147,7 @@ def _layer_norm(rank: int, world_size: int) -> None:
 
 def _2d_checks(rank: int, world_size: int, cases: list) -> list[dict]:
     _layer_norm(rank, world_size)
+    _bf16_products_in_fp32(rank, world_size, "2d", 1)
     return _cases(rank, world_size, cases)
 
 
@@ -121,7 +163,7 @@ def test_2d_layers_match_single_device_and_talk_to_row_and_column_only():
 
 
 def test_2p5d_and_3d_layers_match_single_device():
-    results = run_ranks(8, _cases, [("2.5d", 2, {}), ("3d", 1, {"n_kv_heads": 4})])
+    results = run_ranks(8, _8_rank_checks, [("2.5d", 2, {}), ("3d", 1, {"n_kv_heads": 4})])
     for tesseract, cube in results:
         # 2.5d: one row peer, one column peer, one depth peer; 3d: one peer along each of 3 axes.
         assert len(tesseract["peers"]) == 3 and len(cube["peers"]) == 3

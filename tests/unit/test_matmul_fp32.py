@@ -21,6 +21,7 @@ from polytrain.train.chunked_loss import LossHead
 from polytrain.train.matmul_fp32 import linears_in_fp32, wanted
 from polytrain.train.trainer import Trainer
 from tests.conftest import tiny_overrides
+from tests.gemm_dtypes import GemmDtypes
 
 
 def _operands(dtype=torch.bfloat16, bias=True):
@@ -69,6 +70,13 @@ def test_autocast_operands_are_rounded_as_autocast_rounds_them():
                                 torch.bfloat16, 96)
     out.float().sum().backward()
     assert x.grad.dtype == w.grad.dtype == torch.float32  # through the casts to the fp32 leaves
+
+
+def test_a_backward_inside_autocast_still_runs_fp32_gemms():
+    x, w, b = _operands()
+    with torch.autocast("cpu", dtype=torch.bfloat16), GemmDtypes() as gemms:
+        host_gemm.linear(x, w, b, torch.bfloat16).float().sum().backward()  # the backward under autocast too
+    assert gemms.seen == {torch.float32: 3}  # forward, dx, dW
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64" or not Path("/proc/cpuinfo").exists(), reason="x86 Linux flags")

@@ -46,7 +46,7 @@ class ColumnParallelLoRA(ColumnParallelLinear):
         b = local_shard(self.lora_b)  # (out/tp, r), or (out, r) for shared units
         if self.rows is not None:
             b = copy_to_tp(b, self.ctx.group)[self.rows]  # (unit, r)
-        return super().forward(x) + lora_update(x, a, b, self.scaling, self.dropout, self.training)
+        return super().forward(x) + lora_update(x, a, b, self.scaling, self.dropout, self.training, self.product)
 
 
 class RowParallelLoRA(RowParallelLinear):
@@ -62,5 +62,6 @@ class RowParallelLoRA(RowParallelLinear):
         b = copy_to_tp(local_shard(self.lora_b), self.ctx.group)  # backward sums the ranks' partial dB
         with self.ctx.sharded_rng(self.training):
             # x (B, T, in/tp) A_local^T: a partial sum of x A^T, so the update is partial too (B, T, out)
-            update = lora_update(x, local_shard(self.lora_a), b, self.scaling, self.dropout, self.training)
+            update = lora_update(x, local_shard(self.lora_a), b, self.scaling, self.dropout, self.training,
+                                 self.product)
         return super().partial(x) + update

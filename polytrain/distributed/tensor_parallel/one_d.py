@@ -52,6 +52,10 @@ class ColumnParallelLinear(nn.Module):
     contribute, so the local weight enters through copy_to_tp (backward all-reduce).
     """
 
+    product = staticmethod(F.linear)
+    """How its product runs, (x, weight, bias=None) -> x weight^T + bias (LoRALinear.product's
+    contract): train.matmul_fp32 sets an fp32-GEMM one on the instance."""
+
     def __init__(self, linear: nn.Linear, ctx: TPContext, unit: int = 1, shared_units: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.ctx = linear.in_features, linear.out_features, ctx
@@ -77,7 +81,7 @@ class ColumnParallelLinear(nn.Module):
         if self.rows is not None:
             w = copy_to_tp(w, self.ctx.group)[self.rows]  # (unit, in)
             b = copy_to_tp(b, self.ctx.group)[self.rows] if b is not None else None
-        return F.linear(x, w, b)  # (B, T, out/tp)
+        return self.product(x, w, b)  # (B, T, out/tp)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, tp={self.ctx.size}"
@@ -90,6 +94,8 @@ class RowParallelLinear(nn.Module):
     sum of y; leaving the region sums it: all-reduce to (B, T, out), or under SP
     reduce-scatter to this rank's tokens (B, T/tp, out). The bias is added once, after.
     """
+
+    product = staticmethod(F.linear)  # as ColumnParallelLinear.product
 
     def __init__(self, linear: nn.Linear, ctx: TPContext):
         super().__init__()
@@ -108,7 +114,7 @@ class RowParallelLinear(nn.Module):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum (B, T, out) of y without the bias, before leaving the region."""
-        return F.linear(x, local_shard(self.weight))
+        return self.product(x, local_shard(self.weight))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, tp={self.ctx.size}"
@@ -154,6 +160,8 @@ class VocabParallelHead(ScoringHead, nn.Module):
     (B, T, V/tp) logits whole, only a chunk of tokens' at a time.
     """
 
+    product = staticmethod(F.linear)  # the logits' (evaluation, decoding); the loss's: matmul_dtype
+
     def __init__(self, linear: nn.Linear, ctx: TPContext):
         super().__init__()
         self.in_features, self.out_features, self.ctx = linear.in_features, linear.out_features, ctx
@@ -177,7 +185,7 @@ class VocabParallelHead(ScoringHead, nn.Module):
         if scored is not None:
             return scored
         bias = local_shard(self.bias) if self.bias is not None else None
-        logits = F.linear(self.ctx.enter(h), local_shard(self.weight), bias)  # (B, T, V/tp)
+        logits = self.product(self.ctx.enter(h), local_shard(self.weight), bias)  # (B, T, V/tp)
         if self.ctx.full_logits:
             logits = gather_from_tp(logits, -1, shard_sizes(self.out_features, self.ctx.size), self.ctx.group)
         return logits

@@ -28,14 +28,18 @@ does not redo, and the zero-bubble pipeline schedule splits input and weight gra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from polytrain.distributed.collectives import all_gather, start_all_reduce, start_reduce_scatter
 from polytrain.distributed.tensor_parallel.local_shard import local_shard
+
+Product = Callable[..., torch.Tensor]
+"""A column's `product` (x, weight, bias=None) -> x weight^T + bias: F.linear, or train.matmul_fp32's.
+Every product of the deferred path goes through it, the backward's too (as F.linear of transposes)."""
 
 
 @dataclass
@@ -60,19 +64,19 @@ class RegionCall:
         if slot is None or source is None:
             return None
         w, b = self.params[slot]
-        return _DeferredWeightGrad.apply(x, w, b, self.records[slot], source)
+        return _DeferredWeightGrad.apply(x, w, b, self.records[slot], source, column.product)
 
 
-def _weight_grads(records: list[list[tuple[torch.Tensor, int]]], has_bias: list[bool],
+def _weight_grads(records: list[list[tuple[torch.Tensor, int]]], has_bias: list[bool], products: list[Product],
                   entered: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None]:
     """Every routed weight's and bias's gradient from the records, in the entry's parameter order; clears them."""
     grads: list[torch.Tensor | None] = []
-    for uses, bias in zip(records, has_bias):
+    for uses, bias, product in zip(records, has_bias, products):
         dw = db = None
         for dy, source in uses:
             dy2 = dy.reshape(-1, dy.shape[-1])  # (B*T, F/tp)
             x2 = entered[source].reshape(-1, entered[source].shape[-1])  # (B*T, D)
-            part = dy2.t() @ x2  # (F/tp, D), the weight's (out, in) orientation
+            part = product(dy2.t(), x2.t())  # dy2^T x2: (F/tp, D), the weight's (out, in) orientation
             dw = part if dw is None else dw + part
             if bias:
                 db = dy2.sum(0) if db is None else db + dy2.sum(0)
@@ -93,7 +97,8 @@ def enter_overlapped(call: RegionCall, xs: tuple[torch.Tensor, ...], group: Proc
     for column, bias in zip(call.columns, has_bias):
         flat += [local_shard(column.weight), local_shard(column.bias)] if bias else [local_shard(column.weight)]
     call.records = [[] for _ in call.columns]
-    out = _Entry.apply(call.records, has_bias, group, seq_dim, len(xs), *xs, *flat)
+    products = [c.product for c in call.columns]
+    out = _Entry.apply(call.records, has_bias, products, group, seq_dim, len(xs), *xs, *flat)
     call.inputs, passed = out[:len(xs)], iter(out[len(xs):])
     call.params = [(next(passed), next(passed) if bias else None) for bias in has_bias]
     return call.inputs
@@ -104,8 +109,9 @@ class _Entry(torch.autograd.Function):
     Backward: start reducing the input gradients, compute the recorded weight gradients, wait."""
 
     @staticmethod
-    def forward(ctx, records, has_bias, group, seq_dim, n_inputs, *tensors):
-        ctx.records, ctx.has_bias, ctx.group, ctx.seq_dim, ctx.n_inputs = records, has_bias, group, seq_dim, n_inputs
+    def forward(ctx, records, has_bias, products, group, seq_dim, n_inputs, *tensors):
+        ctx.records, ctx.has_bias, ctx.products = records, has_bias, products
+        ctx.group, ctx.seq_dim, ctx.n_inputs = group, seq_dim, n_inputs
         ctx.set_materialize_grads(False)  # routed parameters get no gradient from their users: None, not zeros
         xs, params = tensors[:n_inputs], tensors[n_inputs:]
         entered = tuple(x.view_as(x) if seq_dim is None else all_gather(x, seq_dim, group) for x in xs)
@@ -123,7 +129,7 @@ class _Entry(torch.autograd.Function):
                 started.append(start_all_reduce(g, ctx.group))
             else:
                 started.append(start_reduce_scatter(g, ctx.seq_dim, ctx.group))
-        param_grads = _weight_grads(ctx.records, ctx.has_bias, entered)
+        param_grads = _weight_grads(ctx.records, ctx.has_bias, ctx.products, entered)
         for i, passed in enumerate(grads[n:]):
             if passed is not None:  # a parameter also used outside the deferred path
                 param_grads[i] = passed if param_grads[i] is None else param_grads[i] + passed
@@ -132,22 +138,22 @@ class _Entry(torch.autograd.Function):
             if work is not None:
                 work.wait()
             input_grads.append(out)
-        return (None, None, None, None, None, *input_grads, *param_grads)
+        return (None, None, None, None, None, None, *input_grads, *param_grads)
 
 
 class _DeferredWeightGrad(torch.autograd.Function):
     """y = x W^T + b whose backward computes dx only and records dy for the entry (see module doc)."""
 
     @staticmethod
-    def forward(ctx, x, w, b, record, source):
-        ctx.record, ctx.source = record, source
+    def forward(ctx, x, w, b, record, source, product):
+        ctx.record, ctx.source, ctx.product = record, source, product
         ctx.save_for_backward(w)
-        return F.linear(x, w, b)  # (B, T, out/tp)
+        return product(x, w, b)  # (B, T, out/tp)
 
     @staticmethod
     def backward(ctx, dy):
         (w,) = ctx.saved_tensors
         ctx.record.append((dy, ctx.source))
-        dx = dy @ w if ctx.needs_input_grad[0] else None  # (B, T, out/tp) @ (out/tp, in)
-        return dx, None, None, None, None
+        dx = ctx.product(dy, w.t()) if ctx.needs_input_grad[0] else None  # dy w: (B, T, out/tp) @ (out/tp, in)
+        return dx, None, None, None, None, None
 

@@ -54,6 +54,8 @@ class SummaLinear(nn.Module):
     the input is already my grid row's, (b, T, in), gathered by the enclosing region.
     """
 
+    product = staticmethod(F.linear)  # as one_d.ColumnParallelLinear.product (train.matmul_fp32)
+
     def __init__(self, linear: nn.Linear, grid: Grid, unit: int = 1, row_input: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.grid = linear.in_features, linear.out_features, grid
@@ -71,7 +73,7 @@ class SummaLinear(nn.Module):
         x_row = x if self.row_input else gather_from_sp(x, -1, g.along("tp_j"))  # (b, T, in): my row's blocks
         w_col = gather_from_sp(w, 1, g.along("tp_i"))  # (out/q, in): my grid column's weight blocks
         b = g.shared(local_shard(self.bias), "tp_i", "tp_k") if self.bias is not None else None
-        return F.linear(x_row, w_col, b)  # (b, T, out/q)
+        return self.product(x_row, w_col, b)  # (b, T, out/q)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, grid={self.grid.mode}"

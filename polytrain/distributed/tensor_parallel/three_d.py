@@ -54,6 +54,8 @@ class Linear3D(nn.Module):
     bias (out,) split by `gather`, held alike along i and `scatter`.
     """
 
+    product = staticmethod(F.linear)  # as one_d.ColumnParallelLinear.product (train.matmul_fp32)
+
     def __init__(self, linear: nn.Linear, grid: Grid, gather: str, scatter: str, unit: int = 1):
         super().__init__()
         self.in_features, self.out_features, self.grid = linear.in_features, linear.out_features, grid
@@ -70,7 +72,7 @@ class Linear3D(nn.Module):
         g = self.grid
         x_block = gather_from_sp(x, 0, g.along(self.gather))  # (B/q, T, in/q): sequences i, features `scatter`
         w_block = gather_from_sp(local_shard(self.weight), 0, g.along("tp_i"))  # (out/q, in/q)
-        partial = F.linear(x_block, w_block)  # (B/q, T, out/q): a part of the sum over in blocks
+        partial = self.product(x_block, w_block)  # (B/q, T, out/q): a part of the sum over in blocks
         y = reduce_scatter_to_sp(partial, 0, g.along(self.scatter))  # (B/q^2, T, out/q)
         if self.bias is not None:
             y = y + g.shared(local_shard(self.bias), "tp_i", self.scatter)
