@@ -53,7 +53,8 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
     polytrain's host kernel (2-8 rows, 1-8 in bf16: each weight read once for all rows; sums
     rounded in another order than F.linear's, so a greedy token can change only where two
     logits tie within fp32 rounding) or, at one fp32 row, are split over torch's threads where
-    that measured faster (bitwise F.linear's products); threaded_matmul.py.
+    that measured faster (bitwise F.linear's products); a bf16 prefill on a CPU that emulates bf16
+    GEMMs streams through the kernel or runs fp32 GEMMs; threaded_matmul.py.
     """
     _check_arguments(prompts, max_new_tokens, temperature, top_k, top_p)
     if row_generators is not None and len(row_generators) != len(prompts):

@@ -8,14 +8,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from polytrain.config import ModelConfig
 from polytrain.backend import host_matmul
+from polytrain.config import ModelConfig
 from polytrain.inference import continuous, threaded_matmul
 from polytrain.inference.generate import generate
 from polytrain.inference.threaded_matmul import split_is_faster, split_linear, threaded_linears
 from polytrain.lora.adapter import LoRALinear
 from polytrain.models.common.init import init_plain
 from polytrain.models.llama.model import Llama
+from tests.gemm_dtypes import GemmDtypes
 
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=96, max_seq_len=48)
 PROMPTS = [[5, 17, 3, 88, 42, 9, 61], [23, 4], [70, 70, 12, 1]]
@@ -217,3 +218,27 @@ def test_a_compiled_decoding_step_calls_the_kernel_and_keeps_the_tokens(kernel, 
     model = llama()
     plain = generate(model, PROMPTS, 8, temperature=0, threaded_matmul=False)
     assert generate(model, PROMPTS, 8, temperature=0, compile=True) == plain
+
+
+@pytest.mark.parametrize("emulated", [True, False])
+def test_a_bf16_prefill_streams_or_runs_fp32_gemms_where_the_host_emulates_bf16(kernel, monkeypatch, emulated):
+    monkeypatch.setattr(threaded_matmul.host_gemm, "emulates", lambda dtype: emulated and dtype == torch.bfloat16)
+    model = llama().bfloat16().eval()
+    short = torch.tensor([PROMPTS[0]])  # 7 rows: at most EMULATED_STREAM_ROWS, streamed
+    long = torch.randint(0, CFG.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))  # 80 rows
+    assert short.numel() <= threaded_matmul.EMULATED_STREAM_ROWS < long.numel()
+    with torch.no_grad():
+        plain = model(short), model(long)
+        with threaded_linears(model, rows=1):
+            with GemmDtypes() as short_gemms:
+                prefilled = [model(short)]
+            with GemmDtypes() as long_gemms:
+                prefilled.append(model(long))
+    if not emulated:  # the layer's own F.linear, bit for bit
+        assert torch.equal(prefilled[0], plain[0]) and torch.equal(prefilled[1], plain[1])
+        return
+    linears = sum(type(m) is nn.Linear for m in model.modules())
+    assert short_gemms.seen == {}  # every product in the host kernel
+    assert long_gemms.seen == {torch.float32: linears}  # every product an fp32 GEMM
+    for got, want in zip(prefilled, plain):  # bf16 results rounded from sums in another order
+        torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-2 * want.float().abs().max().item())
