@@ -170,6 +170,24 @@ def test_compiled_static_decoding_equals_eager_and_compiles_once(model):
     assert counters["stats"]["unique_graphs"] - before == 1  # every decoding step: one graph
 
 
+def test_compiled_calls_after_another_model_and_batch_pick_their_own_graph(model):
+    """Steps after a call's first run only the guards that tell its graph from other calls': a
+    call after one with another batch size or another model still decodes as eager does."""
+    from polytrain.inference import continuous
+
+    other = Llama(CFG)
+    init_plain(other, 7)
+    backend, continuous.BACKEND = continuous.BACKEND, "aot_eager"
+    try:
+        runs = [(m, rows, generate(m, PROMPTS, 8, temperature=0, batch_size=rows, compile=True))
+                for m, rows in ((model, 2), (other, 3), (model, 3), (other, 2))]
+    finally:
+        continuous.BACKEND = backend
+    assert runs[0][2] != runs[3][2]  # the two models decode differently: a wrong graph would show
+    for m, rows, out in runs:
+        assert out == generate(m, PROMPTS, 8, temperature=0), rows
+
+
 def test_static_sampling_is_reproducible_and_follows_the_filters(model):
     g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
     a = generate(model, PROMPTS, 8, temperature=0.9, top_k=5, generator=g(), batch_size=2)
