@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from polytrain.models.common.kv_cache import StaticKVCache
 
@@ -39,11 +40,13 @@ def decode_step(model: nn.Module, cache: StaticKVCache, compile_: bool) -> Calla
     # graph (size_asserts): some 230 Python calls a step, 5% of a batch-8 llama 125m step on a
     # CPU, over inputs Dynamo's guards have checked and outputs the operators' fake kernels fix.
     compiled = torch.compile(step, backend=BACKEND, options={"size_asserts": False} if BACKEND == "inductor" else None)
+    # A sharded model (FSDP, tp) may swap its parameters' layouts around forwards: all guards, every step.
+    sharded = any(isinstance(p, DTensor) for p in model.parameters())
     warm = False
 
     def guarded_once(tokens: torch.Tensor) -> torch.Tensor:
         nonlocal warm
-        if not warm:  # all guards: pick (or compile) the graph of this model, cache and batch
+        if not warm or sharded:  # all guards: pick (or compile) the graph of this model, cache and batch
             warm = True
             return compiled(tokens)
         # Every later step of this call has the first one's model, cache, shapes and dtypes, so
