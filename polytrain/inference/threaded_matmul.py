@@ -144,9 +144,9 @@ def _streams(dtype: torch.dtype, rows: int) -> bool:
 def _many_rows(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
     """How a layer without its own forward multiplies more rows than decoding's (a prefill).
 
-    F.linear, except for a bf16 weight whose GEMMs the host CPU emulates: there up to
-    EMULATED_STREAM_ROWS rows stream through the host kernel (each weight read once, its sums
-    fp32), more run as fp32 GEMMs of the widened operands rounded back (backend.host_gemm, as
+    F.linear, except for a 16-bit weight whose GEMMs the host CPU emulates: there up to
+    EMULATED_STREAM_ROWS rows of bf16 stream through the host kernel (each weight read once, its
+    sums fp32), more rows (and fp16) run as fp32 GEMMs of the widened operands rounded back (backend.host_gemm, as
     train.matmul_fp32 runs a trained model's layers). A prefill of llama 125m in bf16, prompts of
     32 tokens, on an Ice Lake Xeon (medians of 7): 8 prompts 746 ms emulated, 320 ms through fp32
     GEMMs; one prompt 127-158 ms emulated, 120 ms through fp32 GEMMs (widening every weight costs

@@ -186,35 +186,16 @@ def _bf16_states_overlap(rank: int, world_size: int) -> None:
 
 
 def _bf16_products_in_fp32(rank: int, world_size: int) -> None:
-    """train.matmul_fp32 on the sharded layers: with bf16 states, tp = 2 (plain, SP, overlapped entry)
-    runs no bf16 GEMM, forward or backward, and its loss and gradients follow the single-device
-    model's with the same fp32 products (bf16 roundings apart: the row layers' partial sums are
-    rounded to bf16 before they are summed over tp)."""
-    import torch.nn.functional as F
-
+    """train.matmul_fp32 on the sharded layers at tp = 2, plain and with SP and the overlapped entry."""
     from polytrain.distributed.tensor_parallel import vocab_parallel_loss
-    from polytrain.train.matmul_fp32 import linears_in_fp32
-    from tests.gemm_dtypes import GemmDtypes
+    from tests.gemm_dtypes import assert_bf16_products_in_fp32
 
     gen = torch.Generator().manual_seed(4)
     tokens, targets = (torch.randint(0, BASE.vocab_size, (B, T), generator=gen) for _ in range(2))
     for sp, overlap in ((False, False), (True, True)):
-        ref, model, ctx, mesh = _setup(world_size, sp, BASE, overlap=overlap)
-        for m in (ref, model):
-            m.to(torch.bfloat16)
-            assert linears_in_fp32(m) > 0
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            ref_loss = F.cross_entropy(ref(tokens).flatten(0, 1).float(), targets.flatten())
-            ref_loss.backward()
-            with GemmDtypes() as gemms:
-                loss = vocab_parallel_loss(mesh["tp"], BASE.vocab_size)(model(tokens), targets)
-                loss.backward()
-        assert set(gemms.seen) == {torch.float32}, (sp, overlap, gemms.seen)
-        torch.testing.assert_close(loss.float(), ref_loss, rtol=1e-2, atol=0)
-        ref_params = dict(ref.named_parameters())
-        for name, param in model.named_parameters():
-            torch.testing.assert_close(param.grad.full_tensor().float(), ref_params[name].grad.float(),
-                                       rtol=5e-2, atol=5e-3, msg=f"sp={sp} overlap={overlap}: {name}")
+        ref, model, _, mesh = _setup(world_size, sp, BASE, overlap=overlap)
+        assert_bf16_products_in_fp32(ref, model, vocab_parallel_loss(mesh["tp"], BASE.vocab_size), tokens, targets,
+                                     f"sp={sp} overlap={overlap}")
 
 
 def _tp2_all(rank: int, world_size: int, cases: list) -> dict:

@@ -82,31 +82,13 @@ def _cases(rank: int, world_size: int, cases: list) -> list[dict]:
 
 
 def _bf16_products_in_fp32(rank: int, world_size: int, mode: str, depth: int) -> None:
-    """train.matmul_fp32 on grid layers: bf16 states run no bf16 GEMM, forward or backward, and the
-    loss and gradients follow the single-device model's with the same fp32 products (bf16 apart)."""
-    import torch.nn.functional as F
-
-    from polytrain.train.matmul_fp32 import linears_in_fp32
-    from tests.gemm_dtypes import GemmDtypes
+    """train.matmul_fp32 on grid layers: no bf16 GEMM, and the single-device model's loss and gradients."""
+    from tests.gemm_dtypes import assert_bf16_products_in_fp32
 
     ref, model, ctx = _models(world_size, mode, depth, BASE)
-    for m in (ref, model):
-        m.to(torch.bfloat16)
-        assert linears_in_fp32(m) > 0
     gen = torch.Generator().manual_seed(1)
     tokens, targets = (torch.randint(0, BASE.vocab_size, (B, T), generator=gen) for _ in range(2))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        ref_loss = F.cross_entropy(ref(tokens).flatten(0, 1).float(), targets.flatten())
-        ref_loss.backward()
-        with GemmDtypes() as gemms:
-            loss = ctx.loss_fn(BASE.vocab_size)(model(tokens), targets)
-            loss.backward()
-    assert set(gemms.seen) == {torch.float32}, (mode, gemms.seen)
-    torch.testing.assert_close(loss.float(), ref_loss, rtol=1e-2, atol=0)
-    ref_params = dict(ref.named_parameters())
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(param.grad.full_tensor().float(), ref_params[name].grad.float(),
-                                   rtol=5e-2, atol=5e-3, msg=f"{mode}: {name}")
+    assert_bf16_products_in_fp32(ref, model, ctx.loss_fn(BASE.vocab_size), tokens, targets, mode)
 
 
 def _8_rank_checks(rank: int, world_size: int, cases: list) -> list[dict]:
