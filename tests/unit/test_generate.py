@@ -194,3 +194,45 @@ def test_static_sampling_is_reproducible_and_follows_the_filters(model):
     assert a == generate(model, PROMPTS, 8, temperature=0.9, top_k=5, generator=g(), batch_size=2)
     assert generate(model, PROMPTS, 8, temperature=1.0, top_k=1, batch_size=2) == \
         generate(model, PROMPTS, 8, temperature=0)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_compiled_steps_skip_guards_after_the_first_unless_the_model_is_sharded(monkeypatch, tmp_path, sharded):
+    """A sharded (DTensor) model may change its parameters' layouts between forwards, so each of
+    its compiled steps evaluates every guard; a plain model's steps after the first skip them."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from polytrain.inference import continuous
+
+    skipping: list[bool] = []  # per compiled call: whether guard evaluation was skipped
+    stance = torch.compiler.set_stance
+
+    def recording_stance(*args, **kwargs):
+        skipping.append(kwargs.get("skip_guard_eval_unsafe", False))
+        return stance(*args, **kwargs)
+
+    monkeypatch.setattr(torch.compiler, "set_stance", recording_stance)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)  # the logic around the graph only
+
+    class Cache:
+        def advance(self):
+            pass
+
+    class Model(torch.nn.Linear):  # tokens (B, 1) -> logits (B, 1, 5); a parameter to shard
+        def forward(self, tokens, **_):
+            return torch.zeros(tokens.shape[0], 1, 5)
+
+    model = Model(2, 3)
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path}/store")
+    try:
+        if sharded:
+            mesh = init_device_mesh("cpu", (1,))
+            model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Replicate()]))
+        step = continuous.decode_step(model, Cache(), True)
+        for _ in range(3):
+            assert step(torch.zeros(2, dtype=torch.long)).shape == (2, 5)
+    finally:
+        dist.destroy_process_group()
+    assert skipping == ([] if sharded else [True, True])
