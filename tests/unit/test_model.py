@@ -203,6 +203,16 @@ def test_attention_as_sums_is_sdpa(mask_kind, scale):
             "float shared": torch.randn(1, 1, 1, 9, generator=g)}[mask_kind]
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     torch.testing.assert_close(attention_as_sums(q, k, v, mask, scale), want, atol=1e-6, rtol=1e-5)
+    # bf16 inputs: summed in fp32, the output rounded once (fp32 attention of the same values, rounded)
+    q16, k16, v16 = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    want16 = torch.nn.functional.scaled_dot_product_attention(q16.float(), k16.float(), v16.float(),
+                                                              attn_mask=mask, scale=scale).bfloat16()
+    got16 = attention_as_sums(q16, k16, v16, mask, scale)
+    assert got16.dtype == torch.bfloat16
+    # equal but where fp32 rounding moves a value across a bf16 rounding boundary (one ulp); sums in
+    # bf16 would differ in about half of them
+    assert (got16 != want16).float().mean() <= 0.02
+    torch.testing.assert_close(got16, want16, atol=1e-2, rtol=0)
 
 
 def test_a_mask_per_head_or_query_still_repeats_the_kv_heads():
