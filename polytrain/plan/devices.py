@@ -107,6 +107,7 @@ def measured_cpu() -> Device:
     """This machine's CPU: matmul FLOP/s measured (and cached), host memory, one 'device' per rank."""
     import torch
 
+    from polytrain.backend import host_gemm
     from polytrain.backend.flops import cpu_model, cpu_peak_flops
     from polytrain.backend.host_device import host_memory_info
 
@@ -117,6 +118,11 @@ def measured_cpu() -> Device:
     scale = cores / threads
     peaks = {key: cpu_peak_flops(dtype) * scale for key, dtype in
              (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    # Where the CPU emulates a 16-bit GEMM, training in that precision runs its products as fp32
+    # GEMMs (train.matmul_fp32 auto): fp32's rate, not the emulation's.
+    for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        if host_gemm.emulates(dtype):
+            peaks[key] = peaks["fp32"]
     _, total = host_memory_info()
     return Device(f"CPU {cpu_model()} ({cores} cores)", float(total), peaks,
                   intra_node_bw=CPU_LOOPBACK_BW, inter_node_bw=CPU_LOOPBACK_BW / 4,

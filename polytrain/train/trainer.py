@@ -440,7 +440,9 @@ class Trainer:
                                     if d.cp_mode == "hybrid" else "")
 
     def _mfu(self, tokens_per_s: float) -> float | None:
-        peak = self.acc.peak_flops(self.autocast_dtype)
+        # Against the peak of the GEMMs that run: products widened to fp32 (train.matmul_fp32) are
+        # held to fp32's peak, not to the emulated 16-bit GEMM's (a third of it or less), over 100%.
+        peak = self.acc.peak_flops(torch.float32 if self.fp32_matmuls else self.autocast_dtype)
         if not peak:
             return None
         return tokens_per_s * self.flops_per_token / (peak * self.world.world_size)

@@ -187,3 +187,23 @@ def test_bf16_training_with_fp32_products_follows_the_bf16_run(small_corpus, tmp
                                                                          "train.compile": True})
     assert timer.breaks == 0 and timer.graphs == 1 + 2  # the blocks still share one graph
     torch.testing.assert_close(compiled, widened, rtol=1e-2, atol=0)
+
+
+def test_mfu_and_the_planner_hold_widened_products_to_fp32s_peak(monkeypatch):
+    """With products run as fp32 GEMMs, a bf16 run's MFU divides by fp32's peak (the emulated bf16
+    GEMM's, a third of it or less, gave MFUs over 100%), and the planner rates bf16 at fp32's."""
+    from polytrain.backend import flops
+    from polytrain.plan.devices import measured_cpu
+
+    peaks = {torch.float32: 100.0, torch.bfloat16: 20.0, torch.float16: 10.0}
+    trainer = types.SimpleNamespace(acc=types.SimpleNamespace(peak_flops=peaks.get), flops_per_token=1.0,
+                                    world=types.SimpleNamespace(world_size=2), autocast_dtype=torch.bfloat16)
+    for fp32_matmuls, peak in ((True, 100.0), (False, 20.0)):
+        trainer.fp32_matmuls = fp32_matmuls
+        assert Trainer._mfu(trainer, 10.0) == 10.0 / (peak * 2)
+
+    monkeypatch.setattr(flops, "cpu_peak_flops", peaks.get)
+    for emulated in (True, False):
+        monkeypatch.setattr(host_gemm, "emulates", lambda dtype: emulated)
+        rates = measured_cpu().peak_flops
+        assert rates["bf16"] / rates["fp32"] == (1.0 if emulated else 0.2)
