@@ -195,10 +195,11 @@ class TrainConfig:
     after the first step."""
     attention_fp32: str = _choices("auto", "true", "false")
     """bf16/fp16: run each block's attention core, softmax(q k^T) v, in fp32 (q, k, v upcast, the output
-    cast back) where it trains faster: on CPUs for narrow heads and short sequences (head_dim 32 at 256
-    tokens: 1.3-1.5x), slower for wide heads and long ones. auto = on for a CPU run whose heads are at most
-    32 wide at data.seq_len <= 512 (not under context parallelism); true = always; false = never
-    (benchmarks/attention_precision.py measures a shape)."""
+    cast back) where it trains faster: on CPUs that emulate the 16-bit GEMMs for every shape (2.1-2.6x),
+    on others for narrow heads and short sequences (head_dim 32 at 256 tokens: 1.3-1.5x) and slower for
+    wide heads and long ones. auto = on for a CPU run where the CPU emulates train.precision's GEMMs, or
+    whose heads are at most 32 wide at data.seq_len <= 512 (not under context parallelism); true =
+    always; false = never (benchmarks/attention_precision.py measures a shape)."""
     matmul_fp32: str = _choices("auto", "true", "false")
     """bf16/fp16: run the Linear layers' and the chunked loss's products as fp32 GEMMs on the 16-bit
     operands widened, their results rounded back to 16 bits (states, activations and gradients stay

@@ -1,13 +1,18 @@
 """The attention core in fp32 inside 16-bit training (`train.attention_fp32`).
 
 With bf16 model states every tensor of a block is bf16, the attention core's too. On the
-host CPU torch's bf16 flash-attention backward is slow for narrow heads: at llama tiny's
-(8, 6, 256, 32), forward and backward with q, k, v upcast and the output cast back take
-13.4 ms against 18.4 ms in bf16 on one thread (1.37x; 1.49x on two). For wider heads and
-longer sequences it is level or slower (64-wide heads 0.80-0.98x at 256 tokens, 32-wide ones
-0.94-0.98x at 1024-2048), and the fp32 forward alone is 2x slower, so `auto` turns it on only
-for CPU runs with heads at most 32 wide at up to 512 tokens, and a core whose inputs need no
-gradient (evaluation, generation, frozen layers) keeps running in 16 bits.
+host CPU torch's bf16 flash-attention backward is slow:
+- where the CPU emulates the 16-bit dtype's GEMMs (x86 without AVX512-BF16 or AMX for bf16,
+  without AMX-FP16 for fp16), for every shape: on an Ice Lake Xeon, forward and backward with
+  q, k, v upcast and the output cast back run 2.1-2.6x faster than in bf16 (llama tiny's to
+  125m's heads, 256 and 1024 tokens, two threads), and the fp32 forward alone is level;
+- where the CPU has bf16 instructions (an AMX Xeon), for narrow heads only: at llama tiny's
+  (8, 6, 256, 32) 13.4 ms against 18.4 ms on one thread (1.37x; 1.49x on two), while for wider
+  heads and longer sequences fp32 is level or slower (64-wide heads 0.80-0.98x at 256 tokens,
+  32-wide ones 0.94-0.98x at 1024-2048) and its forward alone 2x slower.
+So `auto` turns it on for CPU runs whose 16-bit GEMMs the CPU emulates, and on other CPUs for
+heads at most 32 wide at up to 512 tokens; a core whose inputs need no gradient (evaluation,
+generation, frozen layers) keeps running in 16 bits.
 `benchmarks/attention_precision.py --shapes B,H,T,D` says which way a model's heads go
 (benchmarks/RESULTS.md, "The attention core in bf16 against fp32 on the CPU"). Like
 activation checkpointing, it is applied from outside the model: each attention layer's `core`
@@ -24,14 +29,17 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from polytrain.backend import host_gemm
 from polytrain.models.common.attention import Attention
 
 Core = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, object], torch.Tensor]
 
-# `auto`'s bounds, from benchmarks/attention_precision.py on a 2-core Xeon (RESULTS.md): the fp32
-# core's forward and backward beat bf16's for heads this narrow at sequences this short.
+# `auto`'s bounds on a CPU with 16-bit instructions, from benchmarks/attention_precision.py on a
+# 2-core AMX Xeon (RESULTS.md): the fp32 core's forward and backward beat bf16's for heads this
+# narrow at sequences this short.
 AUTO_MAX_HEAD_DIM = 32
 AUTO_MAX_SEQ_LEN = 512
+LOW_PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def wanted(setting: str, precision: str, device_type: str, head_dims: set[int], seq_len: int) -> bool:
@@ -40,8 +48,10 @@ def wanted(setting: str, precision: str, device_type: str, head_dims: set[int], 
     role under a 16-bit train.precision) has nothing to upcast."""
     if precision == "fp32" or not head_dims or setting == "false":
         return False
-    return setting == "true" or (device_type == "cpu" and max(head_dims) <= AUTO_MAX_HEAD_DIM
-                                 and seq_len <= AUTO_MAX_SEQ_LEN)
+    if setting == "true":
+        return True
+    return device_type == "cpu" and (host_gemm.emulates(LOW_PRECISIONS[precision])
+                                     or (max(head_dims) <= AUTO_MAX_HEAD_DIM and seq_len <= AUTO_MAX_SEQ_LEN))
 
 
 def in_fp32(core: Core) -> Core:

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from polytrain.backend import host_gemm
 from polytrain.config import load_config
 from polytrain.errors import ConfigError
 from polytrain.models.common.attention import Attention
@@ -84,7 +85,8 @@ def _wants(overrides: list[str], device: str = "cpu", cp=None) -> bool:
     return fp32_attention(cfg, model, torch.device(device), cp)
 
 
-def test_auto_upcasts_narrow_heads_at_short_sequences_on_the_cpu_only():
+def test_auto_upcasts_narrow_heads_at_short_sequences_on_a_cpu_with_16_bit_instructions(monkeypatch):
+    monkeypatch.setattr(host_gemm, "emulates", lambda dtype: False)
     narrow = ["--model.dim", "192", "--model.n_heads", "6", "--data.seq_len", "256"]  # 32-wide heads
     assert _wants(narrow)
     assert not _wants(narrow, device="meta")  # not a CPU: its 16-bit kernels are the fast ones
@@ -95,6 +97,19 @@ def test_auto_upcasts_narrow_heads_at_short_sequences_on_the_cpu_only():
     assert not _wants(narrow, cp=object())  # context parallelism exchanges k and v in 16 bits
     assert _wants(["--model.dim", "256", "--model.n_heads", "4", "--data.seq_len", "1024",
                    "--train.attention_fp32", "true"])  # forced on
+
+
+def test_auto_upcasts_every_shape_where_the_cpu_emulates_the_16_bit_gemms(monkeypatch):
+    wide_and_long = ["--model.dim", "256", "--model.n_heads", "4", "--data.seq_len", "1024"]  # 64-wide heads
+    for precision in ("bf16", "fp16"):
+        emulated = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        monkeypatch.setattr(host_gemm, "emulates", lambda dtype: dtype == emulated)
+        assert _wants([*wide_and_long, "--train.precision", precision])
+        other = "fp16" if precision == "bf16" else "bf16"  # a precision the CPU has instructions for
+        assert not _wants([*wide_and_long, "--train.precision", other])
+        assert not _wants([*wide_and_long, "--train.precision", precision], device="meta")
+        assert not _wants([*wide_and_long, "--train.precision", precision, "--train.attention_fp32", "false"])
+        assert not _wants([*wide_and_long, "--train.precision", precision], cp=object())
 
 
 def test_a_toml_boolean_still_sets_it(tmp_path):
