@@ -39,18 +39,17 @@ Core = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, object], torch.Tensor
 # narrow at sequences this short.
 AUTO_MAX_HEAD_DIM = 32
 AUTO_MAX_SEQ_LEN = 512
-LOW_PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def wanted(setting: str, precision: str, device_type: str, head_dims: set[int], seq_len: int) -> bool:
-    """Whether train.attention_fp32 = `setting` runs the cores of a `precision` model on `device_type`
-    in fp32, its attention layers' heads `head_dims` wide at `seq_len` tokens. An fp32 model (an RLHF
-    role under a 16-bit train.precision) has nothing to upcast."""
-    if precision == "fp32" or not head_dims or setting == "false":
+def wanted(setting: str, dtype: torch.dtype, device_type: str, head_dims: set[int], seq_len: int) -> bool:
+    """Whether train.attention_fp32 = `setting` runs the cores of a model computing in `dtype` on
+    `device_type` in fp32, its attention layers' heads `head_dims` wide at `seq_len` tokens. An fp32
+    model (an RLHF role under a 16-bit train.precision) has nothing to upcast."""
+    if dtype == torch.float32 or not head_dims or setting == "false":
         return False
     if setting == "true":
         return True
-    return device_type == "cpu" and (host_gemm.emulates(LOW_PRECISIONS[precision])
+    return device_type == "cpu" and (host_gemm.emulates(dtype)
                                      or (max(head_dims) <= AUTO_MAX_HEAD_DIM and seq_len <= AUTO_MAX_SEQ_LEN))
 
 

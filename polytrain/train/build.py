@@ -112,7 +112,7 @@ def fp32_attention(cfg: Config, model: nn.Module, device: torch.device, cp: Cont
     """Whether `cfg.train.attention_fp32` runs `model`'s attention cores in fp32 on `device`: never
     under context parallelism (refused at validation when asked for)."""
     head_dims = {m.head_dim for m in model.modules() if isinstance(m, Attention)}
-    return cp is None and wanted(cfg.train.attention_fp32, cfg.train.precision, device.type, head_dims,
+    return cp is None and wanted(cfg.train.attention_fp32, AUTOCAST[cfg.train.precision], device.type, head_dims,
                                  cfg.data.seq_len)
 
 
