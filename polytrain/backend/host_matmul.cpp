@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -165,6 +166,14 @@ void thin_linear_kernel(const float* x, const T* w, const float* bias, T* y, int
   });
 }
 
+// n bf16 values as fp32 in a buffer of torch's CPU allocator (64-byte aligned, as the vector
+// loads want), without a dispatched op
+c10::DataPtr widened(const c10::BFloat16* values, int64_t n) {
+  c10::DataPtr buffer = c10::GetCPUAllocator()->allocate(n * sizeof(float));
+  std::copy(values, values + n, static_cast<float*>(buffer.get()));
+  return buffer;
+}
+
 at::Tensor thin_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "thin_linear: x (M, K) and weight (N, K) expected, got ", x.sizes(), " and ", weight.sizes());
@@ -179,16 +188,21 @@ at::Tensor thin_linear(const at::Tensor& x, const at::Tensor& weight, const std:
                     bias->scalar_type() == x.scalar_type(),
                 "thin_linear: a contiguous bias of ", N, " elements in x's dtype expected");
   }
-  // x and bias in fp32 (a bf16 x widened once here, not once per weight row): (M, K), (N,)
-  const at::Tensor x32 = x.to(at::kFloat);
-  const std::optional<at::Tensor> bias32 = bias.has_value() ? std::optional(bias->to(at::kFloat)) : std::nullopt;
-  const float* bias_data = bias32.has_value() ? bias32->data_ptr<float>() : nullptr;
   at::Tensor y = at::empty({M, N}, x.options());
+  const float* no_bias = nullptr;
   if (x.scalar_type() == at::kFloat) {
-    thin_linear_kernel<float>(x32.data_ptr<float>(), weight.data_ptr<float>(), bias_data, y.data_ptr<float>(), M, K, N);
+    thin_linear_kernel<float>(x.data_ptr<float>(), weight.data_ptr<float>(),
+                              bias.has_value() ? bias->data_ptr<float>() : no_bias, y.data_ptr<float>(), M, K, N);
   } else {
+    // x and bias widened to fp32 once here, not once per weight row: (M, K), (N,). Into plain
+    // aligned buffers, not x.to(kFloat), a dispatched op: llama 125m's 85 bf16 products of one
+    // row ran 3% faster this way (paired rounds on a 2-core Xeon); a malloc'd buffer, whose
+    // 16-byte alignment splits the 64-byte vector loads across cache lines, ran 10% slower at 8 rows.
     using B = c10::BFloat16;
-    thin_linear_kernel<B>(x32.data_ptr<float>(), weight.data_ptr<B>(), bias_data, y.data_ptr<B>(), M, K, N);
+    const c10::DataPtr x32 = widened(x.data_ptr<B>(), M * K);
+    const c10::DataPtr bias32 = bias.has_value() ? widened(bias->data_ptr<B>(), N) : c10::DataPtr();
+    thin_linear_kernel<B>(static_cast<const float*>(x32.get()), weight.data_ptr<B>(),
+                          static_cast<const float*>(bias32.get()), y.data_ptr<B>(), M, K, N);
   }
   return y;
 }
