@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -50,15 +51,78 @@ typedef uint32_t Word __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 inline Vec load(const float* p) { return *reinterpret_cast<const Vec*>(p); }  // Vec is 4-byte aligned
 
 // kLanes bf16 values widened to fp32: a bf16 is the top half of the fp32 with the same value.
+#if defined(__AVX512F__)
+// One vpmovzxwd from memory and a shift: GCC 12 compiles the generic conversion below into two
+// 256-bit halves joined by three shuffles, which made a bf16 product of 8 rows slower than
+// fp32's. Inline assembly, not _mm512_cvtepu16_epi32: with the intrinsic GCC 12 stored and
+// reloaded every accumulator at every step.
+inline Vec load(const c10::BFloat16* p) {
+  Word w;
+  asm("vpmovzxwd %1, %0" : "=v"(w) : "m"(*reinterpret_cast<const Half*>(p)));
+  w <<= 16;
+  return reinterpret_cast<const Vec&>(w);
+}
+#else
 inline Vec load(const c10::BFloat16* p) {
   const Word w = __builtin_convertvector(*reinterpret_cast<const Half*>(p), Word) << 16;
   return reinterpret_cast<const Vec&>(w);
 }
+#endif
 
-inline float sum_lanes(Vec v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
+// Each vector's lane sum, by halving: lanes i and i + L/2 are added, then again on the half.
+// Every vector gets the same additions however many are summed together, so an output's bits
+// do not depend on the others. At 8 rows a 2-row tile ends in 16 sums; added one lane after
+// another (15 dependent adds each) they cost a large share of the tile's time over 768 inputs.
+// With AVX-512, sum_lanes sums 16 vectors at once, two vectors' halves packed in each add.
+template <int L>
+float sum_halves(const float* lanes) {
+  if constexpr (L == 1) {
+    return lanes[0];
+  } else {
+    float half[L / 2];
+    for (int i = 0; i < L / 2; ++i) half[i] = lanes[i] + lanes[i + L / 2];
+    return sum_halves<L / 2>(half);
+  }
+}
+
+template <int C>
+void sum_lanes(const Vec* v, float* sums) {
+#if defined(__AVX512F__)
+  for (int first = 0; first < C; first += 16) {
+    Vec level[16];
+    for (int i = 0; i < 16; ++i) level[i] = first + i < C ? v[first + i] : Vec{};
+    // 16 vectors -> 8: lanes 0-7 of the i-th hold vector 2i's halves added, lanes 8-15 vector 2i+1's
+    for (int i = 0; i < 8; ++i)
+      level[i] = __builtin_shufflevector(level[2 * i], level[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
+                                         20, 21, 22, 23) +
+                 __builtin_shufflevector(level[2 * i], level[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
+                                         27, 28, 29, 30, 31);
+    // 8 -> 4: four vectors' 4 partial sums each
+    for (int i = 0; i < 4; ++i)
+      level[i] = __builtin_shufflevector(level[2 * i], level[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19,
+                                         24, 25, 26, 27) +
+                 __builtin_shufflevector(level[2 * i], level[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23,
+                                         28, 29, 30, 31);
+    // 4 -> 2: eight vectors' 2 partial sums each
+    for (int i = 0; i < 2; ++i)
+      level[i] = __builtin_shufflevector(level[2 * i], level[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21,
+                                         24, 25, 28, 29) +
+                 __builtin_shufflevector(level[2 * i], level[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23,
+                                         26, 27, 30, 31);
+    // 2 -> 1: lane i is vector first + i's sum
+    const Vec total = __builtin_shufflevector(level[0], level[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
+                                              26, 28, 30) +
+                      __builtin_shufflevector(level[0], level[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25,
+                                              27, 29, 31);
+    for (int i = 0; i < 16 && first + i < C; ++i) sums[first + i] = total[i];
+  }
+#else
+  for (int i = 0; i < C; ++i) {
+    float lanes[kLanes];
+    std::memcpy(lanes, &v[i], sizeof(Vec));
+    sums[i] = sum_halves<kLanes>(lanes);
+  }
+#endif
 }
 
 // Rows n .. n+TN-1 of w against rows 0 .. MB-1 of x (fp32 rows of K elements; row stride N in
@@ -66,7 +130,7 @@ inline float sum_lanes(Vec v) {
 // carry[j * kRowBlock + m]) unless k0 is 0, and left there unless k1 is K; at K each lane sum
 // plus the scalar tail of k (K % kLanes) and the bias goes to y.
 template <typename T, int TN, int MB>
-void tile(const float* x, const T* w, const float* bias, T* y, int64_t K, int64_t N, int64_t n, int64_t k0,
+void tile(const float* x, const T* w, const T* bias, T* y, int64_t K, int64_t N, int64_t n, int64_t k0,
           int64_t k1, Vec* carry) {
   Vec acc[TN][MB];
 #pragma GCC unroll 8
@@ -96,11 +160,17 @@ void tile(const float* x, const T* w, const float* bias, T* y, int64_t K, int64_
       for (int m = 0; m < MB; ++m) carry[j * kRowBlock + m] = acc[j][m];
     return;
   }
+  // copied: were acc's own address taken, GCC 12 would keep it in memory through the loop above
+  Vec flat[TN * MB];
+  float sums[TN][MB];
+  for (int j = 0; j < TN; ++j)
+    for (int m = 0; m < MB; ++m) flat[j * MB + m] = acc[j][m];
+  sum_lanes<TN * MB>(flat, &sums[0][0]);
   for (int j = 0; j < TN; ++j) {
     for (int m = 0; m < MB; ++m) {
-      float s = sum_lanes(acc[j][m]);
+      float s = sums[j][m];
       for (int64_t k = full; k < K; ++k) s += x[m * K + k] * static_cast<float>(rows[j * K + k]);
-      if (bias != nullptr) s += bias[n + j];
+      if (bias != nullptr) s += static_cast<float>(bias[n + j]);
       y[m * N + n + j] = static_cast<T>(s);
     }
   }
@@ -111,7 +181,7 @@ template <typename T>
 struct Pass {
   const float* x;
   const T* w;
-  const float* bias;
+  const T* bias;
   T* y;
   int64_t M, K, N, k0, k1;
 };
@@ -150,7 +220,7 @@ void weight_tile(const Pass<T>& p, int64_t n, Vec* carry) {
 }
 
 template <typename T>
-void thin_linear_kernel(const float* x, const T* w, const float* bias, T* y, int64_t M, int64_t K, int64_t N) {
+void thin_linear_kernel(const float* x, const T* w, const T* bias, T* y, int64_t M, int64_t K, int64_t N) {
   const int64_t tiles = (N + kTileN - 1) / kTileN;  // the last one may hold fewer than kTileN rows
   const int64_t carry_per_tile = (M + kRowBlock - 1) / kRowBlock * kTileN * kRowBlock;
   at::parallel_for(0, tiles, kGrainTiles, [&](int64_t begin, int64_t end) {
@@ -164,14 +234,6 @@ void thin_linear_kernel(const float* x, const T* w, const float* bias, T* y, int
       }
     }
   });
-}
-
-// n bf16 values as fp32 in a buffer of torch's CPU allocator (64-byte aligned, as the vector
-// loads want), without a dispatched op
-c10::DataPtr widened(const c10::BFloat16* values, int64_t n) {
-  c10::DataPtr buffer = c10::GetCPUAllocator()->allocate(n * sizeof(float));
-  std::copy(values, values + n, static_cast<float*>(buffer.get()));
-  return buffer;
 }
 
 at::Tensor thin_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
@@ -189,20 +251,20 @@ at::Tensor thin_linear(const at::Tensor& x, const at::Tensor& weight, const std:
                 "thin_linear: a contiguous bias of ", N, " elements in x's dtype expected");
   }
   at::Tensor y = at::empty({M, N}, x.options());
-  const float* no_bias = nullptr;
   if (x.scalar_type() == at::kFloat) {
-    thin_linear_kernel<float>(x.data_ptr<float>(), weight.data_ptr<float>(),
-                              bias.has_value() ? bias->data_ptr<float>() : no_bias, y.data_ptr<float>(), M, K, N);
+    const float* bias_data = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+    thin_linear_kernel<float>(x.data_ptr<float>(), weight.data_ptr<float>(), bias_data, y.data_ptr<float>(), M, K, N);
   } else {
-    // x and bias widened to fp32 once here, not once per weight row: (M, K), (N,). Into plain
-    // aligned buffers, not x.to(kFloat), a dispatched op: llama 125m's 85 bf16 products of one
-    // row ran 3% faster this way (paired rounds on a 2-core Xeon); a malloc'd buffer, whose
-    // 16-byte alignment splits the 64-byte vector loads across cache lines, ran 10% slower at 8 rows.
+    // x widened to fp32 once here, not once per weight row: (M, K). Into an aligned buffer, not
+    // x.to(kFloat), a dispatched op: llama 125m's 85 bf16 products of one row ran 3% faster this
+    // way (paired rounds on a 2-core Xeon); a malloc'd buffer, whose 16-byte alignment splits
+    // the 64-byte vector loads across cache lines, ran 10% slower at 8 rows.
     using B = c10::BFloat16;
-    const c10::DataPtr x32 = widened(x.data_ptr<B>(), M * K);
-    const c10::DataPtr bias32 = bias.has_value() ? widened(bias->data_ptr<B>(), N) : c10::DataPtr();
-    thin_linear_kernel<B>(static_cast<const float*>(x32.get()), weight.data_ptr<B>(),
-                          static_cast<const float*>(bias32.get()), y.data_ptr<B>(), M, K, N);
+    c10::DataPtr x32 = c10::GetCPUAllocator()->allocate(M * K * sizeof(float));
+    std::copy(x.data_ptr<B>(), x.data_ptr<B>() + M * K, static_cast<float*>(x32.get()));  // exact
+    const B* bias_data = bias.has_value() ? bias->data_ptr<B>() : nullptr;
+    thin_linear_kernel<B>(static_cast<const float*>(x32.get()), weight.data_ptr<B>(), bias_data, y.data_ptr<B>(),
+                          M, K, N);
   }
   return y;
 }
