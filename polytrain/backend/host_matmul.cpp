@@ -26,6 +26,11 @@
 #include <optional>
 #include <vector>
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__linux__)
+#define POLYTRAIN_AMX 1
+#include "host_matmul_amx.h"
+#endif
+
 namespace {
 
 #if defined(__AVX512F__)
@@ -260,13 +265,28 @@ at::Tensor thin_linear(const at::Tensor& x, const at::Tensor& weight, const std:
     // way (paired rounds on a 2-core Xeon); a malloc'd buffer, whose 16-byte alignment splits
     // the 64-byte vector loads across cache lines, ran 10% slower at 8 rows.
     using B = c10::BFloat16;
+    const B* bias_data = bias.has_value() ? bias->data_ptr<B>() : nullptr;
+#ifdef POLYTRAIN_AMX
+    if (amx::permitted()) {
+      amx::thin_linear(x.data_ptr<B>(), weight.data_ptr<B>(), bias_data, y.data_ptr<B>(), M, K, N);
+      return y;
+    }
+#endif
     c10::DataPtr x32 = c10::GetCPUAllocator()->allocate(M * K * sizeof(float));
     std::copy(x.data_ptr<B>(), x.data_ptr<B>() + M * K, static_cast<float*>(x32.get()));  // exact
-    const B* bias_data = bias.has_value() ? bias->data_ptr<B>() : nullptr;
     thin_linear_kernel<B>(static_cast<const float*>(x32.get()), weight.data_ptr<B>(), bias_data, y.data_ptr<B>(),
                           M, K, N);
   }
   return y;
+}
+
+// Whether bf16 products run on AMX's tile unit (host_matmul_amx.h) in this process.
+bool thin_linear_uses_amx() {
+#ifdef POLYTRAIN_AMX
+  return amx::permitted();
+#else
+  return false;
+#endif
 }
 
 }  // namespace
@@ -274,6 +294,7 @@ at::Tensor thin_linear(const at::Tensor& x, const at::Tensor& weight, const std:
 // A fragment: polytrain's Python operators (host_collective_ops.py) share the namespace.
 TORCH_LIBRARY_FRAGMENT(polytrain, m) {
   m.def("thin_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("thin_linear_uses_amx() -> bool", &thin_linear_uses_amx);
 }
 
 TORCH_LIBRARY_IMPL(polytrain, CPU, m) {

@@ -11,6 +11,13 @@ each thread walks its own block of weight rows, two rows at a time against every
 rows (`benchmarks/threaded_matmul.py`). bf16 weights are widened to fp32 in registers and
 summed in fp32, one rounding at the end, as F.linear's bf16 result is rounded.
 
+On a CPU with AMX (Sapphire Rapids and later Xeons) bf16 products run on its tile unit instead
+(host_matmul_amx.h): one instruction multiplies 16 weight rows x 32 inputs by up to 16 rows of
+x, so 8-16 rows read the weights near the memory's rate where the FMAs bound the loop above
+(llama 125m's decoding weights at 22 / 20 GB/s with 8 / 16 rows against 17 / 11, a 2-core
+Xeon). Its sums are fp32 and rounded once as well, but it reads bf16 inputs below 2^-126 as
+zero. `uses_amx()` says whether it runs here; `POLYTRAIN_HOST_AMX=0` keeps the FMA loop.
+
 Each output is the same dot product F.linear computes, summed in another order: it differs
 from F.linear's by fp32 rounding (about 1e-6 relative), not bitwise.
 
@@ -36,6 +43,8 @@ import torch
 from polytrain.backend.flops import cache_dir
 
 SOURCE = Path(__file__).with_name("host_matmul.cpp")
+HEADERS = (Path(__file__).with_name("host_matmul_amx.h"),)
+"""Included by SOURCE: part of what a build is keyed on."""
 ENV_VAR = "POLYTRAIN_HOST_KERNELS"
 
 
@@ -43,6 +52,12 @@ def thin_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """x (M, in) @ weight (out, in).T + bias (out,) -> (M, out), fp32 or bf16, contiguous host
     tensors of one dtype; only once `available()` is True."""
     return torch.ops.polytrain.thin_linear(x, weight, bias)
+
+
+def uses_amx() -> bool:
+    """Whether bf16 products run on AMX's tile unit here (host_matmul_amx.h): built on a CPU with
+    AMX-BF16 and given the tile state by the OS. False where the kernel is not available."""
+    return available() and torch.ops.polytrain.thin_linear_uses_amx()
 
 
 def _cpu_flags() -> str:
@@ -58,7 +73,8 @@ def _cpu_flags() -> str:
 def _build_dir() -> Path:
     """One directory per source, torch, Python and CPU: a shared cache never hands a kernel built
     for one machine's vector instructions to another."""
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(), sys.version.encode(),
+    sources = [SOURCE.read_bytes()] + [h.read_bytes() for h in HEADERS if h.exists()]
+    key = hashlib.sha256(b"\0".join([*sources, torch.__version__.encode(), sys.version.encode(),
                                      platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:16]
     return cache_dir() / "kernels" / f"host_matmul-{key}"
 

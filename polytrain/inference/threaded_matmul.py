@@ -7,7 +7,10 @@ on the host CPU torch's BLAS handles such thin products badly in two ways:
   125m's weights at 7-13 GB/s where the memory gives 25 (fp32, a 2-core Xeon). From 2 rows,
   and from 1 in bf16 (whose products the CPU BLAS runs at about half fp32's byte rate without
   bf16 instructions), `threaded_linears` sends them to `backend.host_matmul.thin_linear`,
-  which streams each weight once for all rows (18-21 GB/s at 8 rows). Its sums round as
+  which streams each weight once for all rows (18-21 GB/s at 8 rows). Where that kernel runs
+  bf16 on AMX's tile unit (`host_matmul.uses_amx()`), bf16 products of up to 32 rows, and
+  prefills of up to 32 rows, go to it too: F.linear's bf16 GEMM reads the weights at 10-12
+  GB/s at 8-32 rows there. Its sums round as
   F.linear's do but in another order: outputs differ from F.linear's in the last bits, so a
   greedy token can change only where two logits tie within fp32 rounding. The choice is by
   row count and dtype, not timed, so a run gives the same bits every time on one machine.
@@ -52,6 +55,10 @@ STREAM_ROWS = 8
 """The most rows streamed through the host kernel: from 16 rows its FMAs, not the memory, bound
 it, and it runs no faster than the BLAS's GEMM (benchmarks/threaded_matmul.py)."""
 STREAM_DTYPES = (torch.float32, torch.bfloat16)
+AMX_STREAM_ROWS = 32
+"""The most bf16 rows streamed where the host kernel runs them on AMX's tile unit: a decoding step's
+weights of llama 125m read at 22, 18-20 and 14 GB/s with 8, 16 and 32 rows (32: two passes over
+each weight), F.linear's at 12-13 (a 2-core Sapphire Rapids Xeon, benchmarks/RESULTS.md)."""
 EMULATED_STREAM_ROWS = 64
 """A prefill of at most this many rows streams through the host kernel where the host emulates
 its 16-bit GEMMs (`_many_rows`): the kernel's time grows with the rows (46, 74 and 163 ms at 16, 32
@@ -135,10 +142,16 @@ def _eligible(module: nn.Module) -> bool:
     return type(weight) is nn.Parameter and weight.device.type == "cpu" and weight.is_contiguous()
 
 
+def _stream_rows(dtype: torch.dtype) -> int:
+    """The most rows of `dtype` a decoding product streams through the host kernel (0: none)."""
+    if dtype not in STREAM_DTYPES or not host_matmul.available():
+        return 0
+    return AMX_STREAM_ROWS if dtype == torch.bfloat16 and host_matmul.uses_amx() else STREAM_ROWS
+
+
 def _streams(dtype: torch.dtype, rows: int) -> bool:
     """Whether products of `rows` rows in `dtype` go through the host kernel (module docstring)."""
-    return (dtype in STREAM_DTYPES and (rows >= 2 or dtype != torch.float32) and rows <= STREAM_ROWS
-            and host_matmul.available())
+    return (rows >= 2 or dtype != torch.float32) and rows <= _stream_rows(dtype)
 
 
 def _many_rows(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -150,20 +163,25 @@ def _many_rows(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
     train.matmul_fp32 runs a trained model's layers). A prefill of llama 125m in bf16, prompts of
     32 tokens, on an Ice Lake Xeon (medians of 7): 8 prompts 746 ms emulated, 320 ms through fp32
     GEMMs; one prompt 127-158 ms emulated, 120 ms through fp32 GEMMs (widening every weight costs
-    ~90 ms of it), 97 ms streamed."""
+    ~90 ms of it), 97 ms streamed. Where the kernel runs bf16 on AMX, up to AMX_STREAM_ROWS rows
+    stream through it and more go to F.linear."""
     weight, bias = module.weight, module.bias
     plain = lambda x: F.linear(x, weight, bias)  # noqa: E731
-    if not host_gemm.emulates(weight.dtype):
+    emulated = host_gemm.emulates(weight.dtype)
+    if emulated:
+        limit = EMULATED_STREAM_ROWS if weight.dtype in STREAM_DTYPES and host_matmul.available() else 0
+    elif weight.dtype == torch.bfloat16 and host_matmul.uses_amx():
+        limit = AMX_STREAM_ROWS
+    else:
         return plain
-    streams = weight.dtype in STREAM_DTYPES and host_matmul.available()
 
     def forward(x: torch.Tensor) -> torch.Tensor:  # x (..., in) -> (..., out)
         if x.dtype != weight.dtype or torch.is_autocast_enabled(x.device.type):  # F.linear's casting rules
             return plain(x)
         m = x.numel() // x.shape[-1]
-        if streams and m <= EMULATED_STREAM_ROWS:
+        if m <= limit:
             return host_matmul.thin_linear(x.reshape(m, -1).contiguous(), weight, bias).view(*x.shape[:-1], -1)
-        return host_gemm.linear(x, weight, bias, weight.dtype)
+        return host_gemm.linear(x, weight, bias, weight.dtype) if emulated else plain(x)
 
     return forward
 

@@ -45,10 +45,11 @@ def test_fp32_products_are_the_exact_dot_products_within_rounding(out_features, 
     torch.testing.assert_close(got, F.linear(x, weight, bias), atol=2 * tolerance, rtol=0)
 
 
-# 96 inputs fill whole vector steps (16 lanes widened, 32 in bf16 pairs); 770 leave a tail; 2,500
-# run in three blocks of at most 1,024
+# 96 inputs fill whole vector steps (16 lanes widened, 32 in bf16 pairs and AMX tile rows); 770
+# leave a tail; 2,500 run in three blocks of at most 1,024; 257, 65 and 33 outputs leave one row
+# after blocks of 16 (AMX's tiles); 20 rows take two passes of at most 16 on AMX
 @pytest.mark.parametrize("out_features,in_features", [(257, 96), (65, 770), (33, 2500)])
-@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+@pytest.mark.parametrize("rows", [1, 3, 8, 11, 16, 20])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_products_are_summed_in_fp32_and_rounded_once(out_features, in_features, rows, with_bias):
     x, weight, bias = (t if t is None else t.bfloat16()
@@ -67,7 +68,8 @@ def test_bf16_products_are_summed_in_fp32_and_rounded_once(out_features, in_feat
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_output_gets_the_same_bits_whatever_the_threads_and_the_other_rows(dtype):
-    x, weight, bias = (t.to(dtype) for t in operands(11, 1031, 2100, True))  # two blocks of rows, three of inputs
+    # 20 rows: three blocks of 8 rows (FMA kernel), two passes of 16 (AMX); 2,100 inputs: three blocks
+    x, weight, bias = (t.to(dtype) for t in operands(20, 1031, 2100, True))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -79,8 +81,37 @@ def test_every_output_gets_the_same_bits_whatever_the_threads_and_the_other_rows
     assert torch.equal(one, two)
     # a row alone, or with a few others, sums exactly as in the full batch: a sequence's tokens
     # do not depend on how many others decode beside it
-    for rows in (slice(3, 4), slice(0, 5), slice(8, 11)):
+    for rows in (slice(3, 4), slice(0, 5), slice(8, 11), slice(14, 20)):
         assert torch.equal(host_matmul.thin_linear(x[rows].contiguous(), weight, bias), two[rows])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nan_stays_in_its_own_row(dtype):
+    x, weight, bias = (t.to(dtype) for t in operands(4, 40, 70, True))
+    x[1, 5] = float("nan")
+    got = host_matmul.thin_linear(x, weight, bias)
+    assert got[1].isnan().all() and not got[[0, 2, 3]].isnan().any()
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return {"amx_tile", "amx_bf16"} <= set(flags)
+
+
+@pytest.mark.skipif(not _cpu_has_amx(), reason="no AMX on this CPU: bf16 products run on the FMA kernel")
+def test_bf16_products_run_on_amx_where_the_cpu_has_it_and_leave_torch_gemms_right():
+    assert host_matmul.uses_amx()
+    # oneDNN runs torch's bf16 GEMMs on the same tile registers: each side configures its own
+    x, weight, bias = (t.bfloat16() for t in operands(64, 512, 512, True))
+    for _ in range(2):
+        thin = host_matmul.thin_linear(x[:8].contiguous(), weight, bias)
+        gemm = F.linear(x, weight, bias)
+        exact = x.double() @ weight.double().t() + bias.double()
+        for got, want in ((thin, exact[:8]), (gemm, exact)):
+            torch.testing.assert_close(got.double(), want, atol=0.01 * want.abs().max().item(), rtol=0)
 
 
 def test_bad_operands_are_refused_by_name():

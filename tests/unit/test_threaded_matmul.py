@@ -201,11 +201,15 @@ def test_streamed_layers_give_the_logits_of_the_plain_model_within_rounding(kern
     assert torch.equal(streamed[1], plain[1])
 
 
-def test_which_row_counts_and_dtypes_stream(kernel, monkeypatch):
+@pytest.mark.parametrize("amx", [False, True])
+def test_which_row_counts_and_dtypes_stream(kernel, monkeypatch, amx):
     monkeypatch.setattr(threaded_matmul, "split_is_faster", lambda weights, rows, blocks, others: False)
+    monkeypatch.setattr(threaded_matmul.host_matmul, "uses_amx", lambda: amx)  # either way computes right
     model = llama()
+    bf16_rows = threaded_matmul.AMX_STREAM_ROWS if amx else threaded_matmul.STREAM_ROWS
     for rows, dtype, streams in [(1, torch.float32, False), (2, torch.float32, True), (8, torch.float32, True),
                                  (9, torch.float32, False), (1, torch.bfloat16, True), (8, torch.bfloat16, True),
+                                 (bf16_rows, torch.bfloat16, True), (bf16_rows + 1, torch.bfloat16, False),
                                  (4, torch.float16, False)]:
         model.to(dtype)
         with threaded_linears(model, rows) as count:
@@ -220,13 +224,17 @@ def test_a_compiled_decoding_step_calls_the_kernel_and_keeps_the_tokens(kernel, 
     assert generate(model, PROMPTS, 8, temperature=0, compile=True) == plain
 
 
-@pytest.mark.parametrize("emulated", [True, False])
-def test_a_bf16_prefill_streams_or_runs_fp32_gemms_where_the_host_emulates_bf16(kernel, monkeypatch, emulated):
+@pytest.mark.parametrize("emulated,amx", [(True, False), (False, False), (False, True)])
+def test_a_bf16_prefill_streams_or_runs_fp32_gemms_where_the_host_emulates_bf16(kernel, monkeypatch, emulated, amx):
+    """Emulated: a short prefill streams, a long one runs fp32 GEMMs. Native bf16 GEMMs: F.linear,
+    except a short one streamed where the kernel runs bf16 on AMX."""
     monkeypatch.setattr(threaded_matmul.host_gemm, "emulates", lambda dtype: emulated and dtype == torch.bfloat16)
+    monkeypatch.setattr(threaded_matmul.host_matmul, "uses_amx", lambda: amx)
     model = llama().bfloat16().eval()
-    short = torch.tensor([PROMPTS[0]])  # 7 rows: at most EMULATED_STREAM_ROWS, streamed
+    short = torch.tensor([PROMPTS[0]])  # 7 rows: at most EMULATED_STREAM_ROWS and AMX_STREAM_ROWS, streamed
     long = torch.randint(0, CFG.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))  # 80 rows
-    assert short.numel() <= threaded_matmul.EMULATED_STREAM_ROWS < long.numel()
+    assert short.numel() <= min(threaded_matmul.EMULATED_STREAM_ROWS, threaded_matmul.AMX_STREAM_ROWS)
+    assert max(threaded_matmul.EMULATED_STREAM_ROWS, threaded_matmul.AMX_STREAM_ROWS) < long.numel()
     with torch.no_grad():
         plain = model(short), model(long)
         with threaded_linears(model, rows=1):
@@ -234,11 +242,14 @@ def test_a_bf16_prefill_streams_or_runs_fp32_gemms_where_the_host_emulates_bf16(
                 prefilled = [model(short)]
             with GemmDtypes() as long_gemms:
                 prefilled.append(model(long))
-    if not emulated:  # the layer's own F.linear, bit for bit
-        assert torch.equal(prefilled[0], plain[0]) and torch.equal(prefilled[1], plain[1])
-        return
+    if not emulated:  # the long one through the layer's own F.linear, bit for bit
+        assert torch.equal(prefilled[1], plain[1])
+        if not amx:
+            assert torch.equal(prefilled[0], plain[0])
+            return
     linears = sum(type(m) is nn.Linear for m in model.modules())
     assert short_gemms.seen == {}  # every product in the host kernel
-    assert long_gemms.seen == {torch.float32: linears}  # every product an fp32 GEMM
+    if emulated:
+        assert long_gemms.seen == {torch.float32: linears}  # every product an fp32 GEMM
     for got, want in zip(prefilled, plain):  # bf16 results rounded from sums in another order
         torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-2 * want.float().abs().max().item())

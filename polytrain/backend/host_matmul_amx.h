@@ -1,0 +1,162 @@
+// bf16 products on the tile unit (AMX: Sapphire Rapids and later Xeons), for host_matmul.cpp.
+//
+// The FMA kernel's bf16 products cost one widening and one FMA per 16 weights per row of x, so
+// from about 4 rows its arithmetic, not the memory, bounds it (llama 125m's weights read at 17-21
+// GB/s with 8 rows, 10-13 with 16, on a 2-core Xeon whose memory gives 25-30). One TDPBF16PS
+// multiplies 16 weight rows x 32 inputs by up to 16 rows of x, so here every row count up to 16
+// reads the weights at the memory's rate.
+//
+// The product is computed transposed, y^T (N, M) = w (N, K) @ x^T (K, M), so that the weight is
+// the tile unit's left operand, loaded straight from memory as 16 rows x 32 inputs (64 bytes
+// each, row stride K). x^T is the right operand, which the unit takes with each two consecutive
+// inputs of a row side by side: its row r holds x[m][2r], x[m][2r+1] for every m. x is packed so
+// once per call (at most 16 rows x K, in L1/L2). Each output is summed in fp32 over its K inputs
+// in order and rounded to bf16 once, as the FMA kernel does, but the unit reads bf16 inputs below
+// 2^-126 as zero and flushes such sums to zero.
+//
+// A row of x is summed the same way however many rows come with it (each output of the tile is
+// its own dot product), and a weight row the same way in every block: the bits do not depend on
+// the row count or the threads.
+
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+namespace amx {
+
+using BF16 = c10::BFloat16;
+
+constexpr int kRows = 16;   // weight rows per tile, and the most rows of x per pass over the weight
+constexpr int kDepth = 32;  // inputs per tile row: 64 bytes of bf16
+constexpr int64_t kGrainBlocks = 2;  // blocks of 16 weight rows per thread at least
+
+// The tile registers used, as literal numbers: GCC's intrinsics paste them into the instruction.
+#define POLYTRAIN_AMX_SUMS 0    // 16 weight rows x M rows of x, fp32
+#define POLYTRAIN_AMX_WEIGHT 1  // 16 weight rows x 32 inputs, bf16
+#define POLYTRAIN_AMX_X 2       // 16 input pairs x M rows of x, bf16 pairs
+
+// LDTILECFG's 64-byte operand, palette 1: each tile's rows and bytes per row.
+struct alignas(64) Config {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// GCC's tile intrinsics are inline assembly that tells the compiler of no memory it reads or
+// writes (ldtilecfg names 8 of its 64 bytes): without a barrier around them the stores to a
+// buffer a tile is loaded from, or the loads from one it is stored to, may be dropped or moved.
+inline void compiler_barrier() { asm volatile("" ::: "memory"); }
+
+// Linux gives a process the tile registers' 8 KiB of state only when it asks; a kernel that
+// refuses (or lacks AMX support) leaves the FMA kernel in use, as POLYTRAIN_HOST_AMX=0 does.
+inline bool permitted() {
+  static const bool ok = [] {
+    const char* setting = std::getenv("POLYTRAIN_HOST_AMX");
+    if (setting != nullptr && std::strcmp(setting, "0") == 0) return false;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  }();
+  return ok;
+}
+
+// x (M <= 16 rows, K) as the right operand: ceil(K / 32) tiles of 16 pair rows x M pairs, a pair
+// being x[m][2r], x[m][2r + 1] as one 32-bit word (the first in its low half); zeros past K.
+inline std::vector<uint32_t> pack_pairs(const BF16* x, int64_t M, int64_t K) {
+  const int64_t pairs = (K + kDepth - 1) / kDepth * (kDepth / 2);
+  std::vector<uint32_t> packed(pairs * M, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    const BF16* row = x + m * K;
+    for (int64_t p = 0; p < K / 2; ++p) std::memcpy(&packed[p * M + m], row + 2 * p, sizeof(uint32_t));
+    if (K % 2 == 1) packed[K / 2 * M + m] = row[K - 1].x;
+  }
+  return packed;
+}
+
+// 16 weight rows (`stride` elements apart) times the packed x over K inputs: sums (16, M) fp32.
+inline void block(const BF16* w, int64_t stride, int64_t K, const uint32_t* packed, int64_t M, float* sums) {
+  const int64_t full = K / kDepth;
+  const int64_t x_tile = kDepth / 2 * M;  // words per tile of packed x
+  compiler_barrier();  // w may be a buffer just written (the padded last rows)
+  _tile_zero(POLYTRAIN_AMX_SUMS);
+  for (int64_t t = 0; t < full; ++t) {
+    _tile_loadd(POLYTRAIN_AMX_X, packed + t * x_tile, M * sizeof(uint32_t));
+    _tile_loadd(POLYTRAIN_AMX_WEIGHT, w + t * kDepth, stride * sizeof(BF16));
+    _tile_dpbf16ps(POLYTRAIN_AMX_SUMS, POLYTRAIN_AMX_WEIGHT, POLYTRAIN_AMX_X);
+  }
+  if (const int64_t rest = K - full * kDepth; rest > 0) {  // the last inputs, zero-padded to a tile
+    alignas(64) uint16_t last[kRows][kDepth] = {};
+    for (int r = 0; r < kRows; ++r) std::memcpy(last[r], w + r * stride + full * kDepth, rest * sizeof(BF16));
+    compiler_barrier();
+    _tile_loadd(POLYTRAIN_AMX_X, packed + full * x_tile, M * sizeof(uint32_t));
+    _tile_loadd(POLYTRAIN_AMX_WEIGHT, last, sizeof(last[0]));
+    _tile_dpbf16ps(POLYTRAIN_AMX_SUMS, POLYTRAIN_AMX_WEIGHT, POLYTRAIN_AMX_X);
+  }
+  _tile_stored(POLYTRAIN_AMX_SUMS, sums, M * sizeof(float));
+  compiler_barrier();
+}
+
+// y[m][n + r] = bf16(sums[r][m] + bias[n + r]) for the block's `live` weight rows r: a column of
+// sums per row of y, gathered 16 at a time, rounded to nearest even as c10::BFloat16 rounds (NaN to 0x7FC0).
+inline void write(const float* sums, int64_t live, int64_t M, const BF16* bias, BF16* y, int64_t N, int64_t n) {
+  const __mmask16 lanes = static_cast<__mmask16>((1u << live) - 1);
+  const __m512i column = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(M));
+  __m512 b = _mm512_setzero_ps();
+  if (bias != nullptr)
+    b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, bias + n)), 16));
+  for (int64_t m = 0; m < M; ++m) {
+    const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, sums + m, sizeof(float)), b);
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i high = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    high = _mm512_mask_mov_epi32(high, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm512_mask_cvtepi32_storeu_epi16(y + m * N + n, lanes, high);
+  }
+}
+
+// y (M, N) = x (M, K) @ w (N, K)^T [+ bias (N)], bf16, on the tile unit (permitted() first).
+inline void thin_linear(const BF16* x, const BF16* w, const BF16* bias, BF16* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t blocks = (N + kRows - 1) / kRows;  // the last may hold fewer than 16 weight rows
+  for (int64_t m0 = 0; m0 < M; m0 += kRows) {      // each 16 rows of x one pass over the weight
+    const int64_t rows = std::min<int64_t>(kRows, M - m0);
+    const std::vector<uint32_t> packed = pack_pairs(x + m0 * K, rows, K);
+    at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t begin, int64_t end) {
+      Config config;  // per thread: the tile registers are each thread's own
+      config.rows[POLYTRAIN_AMX_SUMS] = config.rows[POLYTRAIN_AMX_WEIGHT] = config.rows[POLYTRAIN_AMX_X] = kRows;
+      config.bytes_per_row[POLYTRAIN_AMX_SUMS] = config.bytes_per_row[POLYTRAIN_AMX_X] = rows * sizeof(float);
+      config.bytes_per_row[POLYTRAIN_AMX_WEIGHT] = kDepth * sizeof(BF16);
+      compiler_barrier();
+      _tile_loadconfig(&config);
+      alignas(64) float sums[kRows * kRows];
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t n = b * kRows, live = std::min<int64_t>(kRows, N - n);
+        if (live == kRows) {
+          block(w + n * K, K, K, packed.data(), rows, sums);
+        } else {  // the weight's last rows, zero-padded to 16: the tile load must not read past w
+          std::vector<BF16> padded(kRows * K, BF16(0.0f));
+          std::copy(w + n * K, w + N * K, padded.begin());
+          block(padded.data(), K, K, packed.data(), rows, sums);
+        }
+        write(sums, live, rows, bias, y + m0 * N, N, n);
+      }
+      _tile_release();
+    });
+  }
+}
+
+}  // namespace amx
+
+#undef POLYTRAIN_AMX_SUMS
+#undef POLYTRAIN_AMX_WEIGHT
+#undef POLYTRAIN_AMX_X
