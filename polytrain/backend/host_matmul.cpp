@@ -26,6 +26,8 @@
 #include <optional>
 #include <vector>
 
+#include "host_vectors.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__linux__)
 #define POLYTRAIN_AMX 1
 #include "host_matmul_amx.h"
@@ -33,15 +35,17 @@
 
 namespace {
 
+using host_vectors::kLanes;
+using host_vectors::load;
+using host_vectors::sum_halves;
+using host_vectors::Vec;
+
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;  // one 512-bit register of fp32
 constexpr int kTileN = 2;   // 2 weight rows x 8 x rows = 16 accumulators of the 32 registers
 #elif defined(__AVX__)
-constexpr int kLanes = 8;
 constexpr int kTileN = 1;   // 8 accumulators of the 16 registers
 #else
-constexpr int kLanes = 4;   // 128-bit vectors (NEON: 32 registers)
-constexpr int kTileN = 2;
+constexpr int kTileN = 2;   // NEON: 32 registers
 #endif
 constexpr int kRowBlock = 8;       // rows of x per pass over a tile (more spill the accumulators)
 constexpr int kPrefetchTiles = 1;  // the tile after this one is fetched while this one computes
@@ -49,47 +53,10 @@ constexpr int64_t kGrainTiles = 16;  // tiles per thread at least: tiny weights 
 constexpr int64_t kBlockK = 1024;    // inputs per pass: 8 rows of x in 32 KiB, beside the weight in L1
 constexpr int64_t kGroupTiles = 64;  // tiles per group: their partial sums (64 KiB at most) stay in L2
 
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float)), aligned(sizeof(float))));
-typedef uint16_t Half __attribute__((vector_size(kLanes * sizeof(uint16_t)), aligned(sizeof(uint16_t))));
-typedef uint32_t Word __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-
-inline Vec load(const float* p) { return *reinterpret_cast<const Vec*>(p); }  // Vec is 4-byte aligned
-
-// kLanes bf16 values widened to fp32: a bf16 is the top half of the fp32 with the same value.
-#if defined(__AVX512F__)
-// One vpmovzxwd from memory and a shift: GCC 12 compiles the generic conversion below into two
-// 256-bit halves joined by three shuffles, which made a bf16 product of 8 rows slower than
-// fp32's. Inline assembly, not _mm512_cvtepu16_epi32: with the intrinsic GCC 12 stored and
-// reloaded every accumulator at every step.
-inline Vec load(const c10::BFloat16* p) {
-  Word w;
-  asm("vpmovzxwd %1, %0" : "=v"(w) : "m"(*reinterpret_cast<const Half*>(p)));
-  w <<= 16;
-  return reinterpret_cast<const Vec&>(w);
-}
-#else
-inline Vec load(const c10::BFloat16* p) {
-  const Word w = __builtin_convertvector(*reinterpret_cast<const Half*>(p), Word) << 16;
-  return reinterpret_cast<const Vec&>(w);
-}
-#endif
-
-// Each vector's lane sum, by halving: lanes i and i + L/2 are added, then again on the half.
-// Every vector gets the same additions however many are summed together, so an output's bits
-// do not depend on the others. At 8 rows a 2-row tile ends in 16 sums; added one lane after
-// another (15 dependent adds each) they cost a large share of the tile's time over 768 inputs.
-// With AVX-512, sum_lanes sums 16 vectors at once, two vectors' halves packed in each add.
-template <int L>
-float sum_halves(const float* lanes) {
-  if constexpr (L == 1) {
-    return lanes[0];
-  } else {
-    float half[L / 2];
-    for (int i = 0; i < L / 2; ++i) half[i] = lanes[i] + lanes[i + L / 2];
-    return sum_halves<L / 2>(half);
-  }
-}
-
+// A tile's lane sums: at 8 rows a 2-row tile ends in 16 sums; added one lane after another (15
+// dependent adds each) they cost a large share of the tile's time over 768 inputs. With
+// AVX-512, sum_lanes sums 16 vectors at once by halving, two vectors' halves packed in each add
+// (the same additions as sum_halves, so the bits do not depend on the vectors summed together).
 template <int C>
 void sum_lanes(const Vec* v, float* sums) {
 #if defined(__AVX512F__)

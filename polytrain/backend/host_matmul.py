@@ -42,9 +42,10 @@ import torch
 
 from polytrain.backend.flops import cache_dir
 
-SOURCE = Path(__file__).with_name("host_matmul.cpp")
-HEADERS = (Path(__file__).with_name("host_matmul_amx.h"),)
-"""Included by SOURCE: part of what a build is keyed on."""
+SOURCES = (Path(__file__).with_name("host_matmul.cpp"), Path(__file__).with_name("host_attention.cpp"))
+"""Built into one extension: thin_linear here, decode_attention (host_attention.py) beside it."""
+HEADERS = (Path(__file__).with_name("host_matmul_amx.h"), Path(__file__).with_name("host_vectors.h"))
+"""Included by SOURCES: part of what a build is keyed on."""
 ENV_VAR = "POLYTRAIN_HOST_KERNELS"
 
 
@@ -73,7 +74,7 @@ def _cpu_flags() -> str:
 def _build_dir() -> Path:
     """One directory per source, torch, Python and CPU: a shared cache never hands a kernel built
     for one machine's vector instructions to another."""
-    sources = [SOURCE.read_bytes()] + [h.read_bytes() for h in HEADERS if h.exists()]
+    sources = [f.read_bytes() for f in SOURCES] + [h.read_bytes() for h in HEADERS if h.exists()]
     key = hashlib.sha256(b"\0".join([*sources, torch.__version__.encode(), sys.version.encode(),
                                      platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:16]
     return cache_dir() / "kernels" / f"host_matmul-{key}"
@@ -93,7 +94,7 @@ def available() -> bool:
         if not any(build.glob("*.so")):
             print(f"polytrain: building the host matmul kernel once for this machine into {build}",
                   file=sys.stderr, flush=True)
-        cpp_extension.load(name="polytrain_host_matmul", sources=[str(SOURCE)], build_directory=str(build),
+        cpp_extension.load(name="polytrain_host_matmul", sources=[str(f) for f in SOURCES], build_directory=str(build),
                            extra_cflags=["-O3", arch, "-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, an unsupported flag, a failed build: F.linear stays
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
@@ -102,4 +103,5 @@ def available() -> bool:
         return False
     torch.library.register_fake("polytrain::thin_linear")(
         lambda x, weight, bias: x.new_empty(x.shape[0], weight.shape[0]))
+    torch.library.register_fake("polytrain::decode_attention")(lambda q, k, v, mask, scale: q.new_empty(q.shape))
     return True

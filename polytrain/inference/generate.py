@@ -21,8 +21,10 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from polytrain.backend import host_attention, host_matmul
 from polytrain.inference.continuous import generate_static
 from polytrain.inference.threaded_matmul import threaded_linears
+from polytrain.models.common.attention import Attention
 from polytrain.models.common.kv_cache import KVCache
 
 
@@ -50,11 +52,14 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
     same either way; sampled ones come from the same distributions in another order.
 
     threaded_matmul: decoding's few-row products with host-resident Linear weights go through
-    polytrain's host kernel (2-8 rows, 1-8 in bf16: each weight read once for all rows; sums
-    rounded in another order than F.linear's, so a greedy token can change only where two
-    logits tie within fp32 rounding) or, at one fp32 row, are split over torch's threads where
-    that measured faster (bitwise F.linear's products); a bf16 prefill on a CPU that emulates bf16
-    GEMMs streams through the kernel or runs fp32 GEMMs; threaded_matmul.py.
+    polytrain's host kernel (2-8 rows, 1-8 in bf16, 1-32 where it runs bf16 on AMX: each weight
+    read once for all rows; sums rounded in another order than F.linear's, so a greedy token can
+    change only where two logits tie within fp32 rounding) or, at one fp32 row, are split over
+    torch's threads where that measured faster (bitwise F.linear's products); a bf16 prefill on a
+    CPU that emulates bf16 GEMMs streams through the kernel or runs fp32 GEMMs; threaded_matmul.py.
+    With it, a host model's decoding attention runs on the host attention kernel
+    (backend/host_attention.py: each cache row read once for all query heads of its group).
+    False: F.linear and SDPA throughout.
     """
     _check_arguments(prompts, max_new_tokens, temperature, top_k, top_p)
     if row_generators is not None and len(row_generators) != len(prompts):
@@ -136,10 +141,28 @@ def _inference(model: nn.Module, rows: int, threaded_matmul: bool):
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), threaded_linears(model, rows, threaded_matmul):
+        with torch.no_grad(), threaded_linears(model, rows, threaded_matmul), _decode_kernel(model, threaded_matmul):
             yield
     finally:
         model.train(was_training)
+
+
+@contextlib.contextmanager
+def _decode_kernel(model: nn.Module, enabled: bool):
+    """Each attention layer's decoding attention through the host kernel while inside
+    (backend.host_attention), for a model held on the host where the kernel builds."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    host = all(p.device.type == "cpu" for p in model.parameters())
+    if not (enabled and layers and host and host_matmul.available()):
+        yield
+        return
+    for layer in layers:
+        layer.decode_kernel = host_attention.decode_attention
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.decode_kernel
 
 
 def _sample_loop(first: torch.Tensor, step, max_new_tokens: int, temperature: float, top_k: int | None,

@@ -140,7 +140,7 @@ def test_a_compiled_graph_calls_it_without_breaking():
 def test_a_failed_build_warns_and_leaves_f_linear(monkeypatch, tmp_path):
     broken = tmp_path / "host_matmul.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(host_matmul, "SOURCE", broken)
+    monkeypatch.setattr(host_matmul, "SOURCES", (broken,))
     monkeypatch.setattr(host_matmul, "available", host_matmul.available.__wrapped__)
     monkeypatch.setenv("POLYTRAIN_CACHE", str(tmp_path / "cache"))
     with pytest.warns(UserWarning, match="could not be built"):

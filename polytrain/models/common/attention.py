@@ -9,6 +9,8 @@ only how q, k and v are projected (InternLM2's packed wqkv, T5's cross-attention
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -24,6 +26,11 @@ class Attention(nn.Module):
     Head counts are read from tensor shapes in `forward`, not from the constructor,
     so the same code runs when tensor parallelism leaves each rank a slice of the heads.
     """
+
+    decode_kernel: Callable[..., torch.Tensor | None] | None = None
+    """Set by inference while it generates (backend.host_attention.decode_attention on the host):
+    (q (B, Hkv, G, D), k, v (B, Hkv, S, D), mask, scale) -> (B, Hkv, G, D), or None where it does
+    not apply; decoding's one-query attention goes to it first."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, layer_id: int, *,
                  head_dim: int | None = None, bias: bool = False, causal: bool = True,
@@ -93,9 +100,10 @@ class Attention(nn.Module):
             # are read as they are instead of copied G times over (all S slots, every layer, every step).
             B, H, _, D = q.shape
             q = q.reshape(B, k.shape[1], H // k.shape[1], D)  # (B, Hkv, G, D)
-            if torch.compiler.is_compiling() and q.device.type == "cpu":
+            out = None if self.decode_kernel is None else self.decode_kernel(q, k, v, mask, self.scale)
+            if out is None and torch.compiler.is_compiling() and q.device.type == "cpu":
                 out = attention_as_sums(q, k, v, mask, self.scale)
-            else:
+            elif out is None:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
             return out.view(B, H, 1, D)
         k, v = repeat_kv(q, k, v)
