@@ -3,14 +3,15 @@
 // The FMA kernel's bf16 products cost one widening and one FMA per 16 weights per row of x, so
 // from about 4 rows its arithmetic, not the memory, bounds it (llama 125m's weights read at 17-21
 // GB/s with 8 rows, 10-13 with 16, on a 2-core Xeon whose memory gives 25-30). One TDPBF16PS
-// multiplies 16 weight rows x 32 inputs by up to 16 rows of x, so here every row count up to 16
-// reads the weights at the memory's rate.
+// multiplies 16 weight rows x 32 inputs by up to 16 rows of x, and each weight tile is loaded
+// once for up to three tiles of x, so up to 48 rows read the weights once, near the memory's rate
+// (a decoding step's llama 125m weights at 21, 20, 16.5 and 14 GB/s with 8, 16, 32 and 48 rows).
 //
 // The product is computed transposed, y^T (N, M) = w (N, K) @ x^T (K, M), so that the weight is
 // the tile unit's left operand, loaded straight from memory as 16 rows x 32 inputs (64 bytes
 // each, row stride K). x^T is the right operand, which the unit takes with each two consecutive
 // inputs of a row side by side: its row r holds x[m][2r], x[m][2r+1] for every m. x is packed so
-// once per call (at most 16 rows x K, in L1/L2). Each output is summed in fp32 over its K inputs
+// once per call, 16 rows to a tile. Each output is summed in fp32 over its K inputs
 // in order and rounded to bf16 once, as the FMA kernel does, but the unit reads bf16 inputs below
 // 2^-126 as zero and flushes such sums to zero.
 //
@@ -36,14 +37,20 @@ namespace amx {
 
 using BF16 = c10::BFloat16;
 
-constexpr int kRows = 16;   // weight rows per tile, and the most rows of x per pass over the weight
-constexpr int kDepth = 32;  // inputs per tile row: 64 bytes of bf16
+constexpr int kRows = 16;    // weight rows per tile, and the most rows of x per tile
+constexpr int kDepth = 32;   // inputs per tile row: 64 bytes of bf16
+constexpr int kChunks = 3;   // tiles of x per pass over the weight: 48 rows of x read it once
 constexpr int64_t kGrainBlocks = 2;  // blocks of 16 weight rows per thread at least
 
 // The tile registers used, as literal numbers: GCC's intrinsics paste them into the instruction.
-#define POLYTRAIN_AMX_SUMS 0    // 16 weight rows x M rows of x, fp32
+// Chunk c of a pass (16 rows of x at most) has its own x tile and sums tile.
 #define POLYTRAIN_AMX_WEIGHT 1  // 16 weight rows x 32 inputs, bf16
-#define POLYTRAIN_AMX_X 2       // 16 input pairs x M rows of x, bf16 pairs
+#define POLYTRAIN_AMX_SUMS0 0   // 16 weight rows x the chunk's rows of x, fp32
+#define POLYTRAIN_AMX_X0 2      // 16 input pairs x the chunk's rows of x, bf16 pairs
+#define POLYTRAIN_AMX_SUMS1 3
+#define POLYTRAIN_AMX_X1 4
+#define POLYTRAIN_AMX_SUMS2 5
+#define POLYTRAIN_AMX_X2 6
 
 // LDTILECFG's 64-byte operand, palette 1: each tile's rows and bytes per row.
 struct alignas(64) Config {
@@ -83,26 +90,48 @@ inline std::vector<uint32_t> pack_pairs(const BF16* x, int64_t M, int64_t K) {
   return packed;
 }
 
-// 16 weight rows (`stride` elements apart) times the packed x over K inputs: sums (16, M) fp32.
-inline void block(const BF16* w, int64_t stride, int64_t K, const uint32_t* packed, int64_t M, float* sums) {
+// One pass's rows of x: `count` chunks of at most 16 rows, each packed for its own tile.
+struct Pass {
+  int count = 0;
+  int64_t rows[kChunks] = {};
+  std::vector<uint32_t> packed[kChunks];
+};
+
+// Chunk c's product with the weight tile now loaded: its x tile for inputs t * 32 .. t * 32 + 31
+// (its packed words t * 16 * rows on), added into its sums.
+#define POLYTRAIN_AMX_CHUNK(c, t, sums, x)                                                       \
+  if constexpr (C > c) {                                                                         \
+    _tile_loadd(x, pass.packed[c].data() + (t) * (kDepth / 2) * pass.rows[c], pass.rows[c] * 4); \
+    _tile_dpbf16ps(sums, POLYTRAIN_AMX_WEIGHT, x);                                               \
+  }
+#define POLYTRAIN_AMX_CHUNKS(t)                                \
+  POLYTRAIN_AMX_CHUNK(0, t, POLYTRAIN_AMX_SUMS0, POLYTRAIN_AMX_X0) \
+  POLYTRAIN_AMX_CHUNK(1, t, POLYTRAIN_AMX_SUMS1, POLYTRAIN_AMX_X1) \
+  POLYTRAIN_AMX_CHUNK(2, t, POLYTRAIN_AMX_SUMS2, POLYTRAIN_AMX_X2)
+
+// 16 weight rows (`stride` elements apart) times the C chunks of x over K inputs: chunk c's sums
+// (16, rows[c]) fp32 at sums + c * 256. Each weight tile is loaded once for all chunks.
+template <int C>
+void block(const BF16* w, int64_t stride, int64_t K, const Pass& pass, float* sums) {
   const int64_t full = K / kDepth;
-  const int64_t x_tile = kDepth / 2 * M;  // words per tile of packed x
   compiler_barrier();  // w may be a buffer just written (the padded last rows)
-  _tile_zero(POLYTRAIN_AMX_SUMS);
+  _tile_zero(POLYTRAIN_AMX_SUMS0);
+  if constexpr (C > 1) _tile_zero(POLYTRAIN_AMX_SUMS1);
+  if constexpr (C > 2) _tile_zero(POLYTRAIN_AMX_SUMS2);
   for (int64_t t = 0; t < full; ++t) {
-    _tile_loadd(POLYTRAIN_AMX_X, packed + t * x_tile, M * sizeof(uint32_t));
     _tile_loadd(POLYTRAIN_AMX_WEIGHT, w + t * kDepth, stride * sizeof(BF16));
-    _tile_dpbf16ps(POLYTRAIN_AMX_SUMS, POLYTRAIN_AMX_WEIGHT, POLYTRAIN_AMX_X);
+    POLYTRAIN_AMX_CHUNKS(t)
   }
   if (const int64_t rest = K - full * kDepth; rest > 0) {  // the last inputs, zero-padded to a tile
     alignas(64) uint16_t last[kRows][kDepth] = {};
     for (int r = 0; r < kRows; ++r) std::memcpy(last[r], w + r * stride + full * kDepth, rest * sizeof(BF16));
     compiler_barrier();
-    _tile_loadd(POLYTRAIN_AMX_X, packed + full * x_tile, M * sizeof(uint32_t));
     _tile_loadd(POLYTRAIN_AMX_WEIGHT, last, sizeof(last[0]));
-    _tile_dpbf16ps(POLYTRAIN_AMX_SUMS, POLYTRAIN_AMX_WEIGHT, POLYTRAIN_AMX_X);
+    POLYTRAIN_AMX_CHUNKS(full)
   }
-  _tile_stored(POLYTRAIN_AMX_SUMS, sums, M * sizeof(float));
+  _tile_stored(POLYTRAIN_AMX_SUMS0, sums, pass.rows[0] * sizeof(float));
+  if constexpr (C > 1) _tile_stored(POLYTRAIN_AMX_SUMS1, sums + kRows * kRows, pass.rows[1] * sizeof(float));
+  if constexpr (C > 2) _tile_stored(POLYTRAIN_AMX_SUMS2, sums + 2 * kRows * kRows, pass.rows[2] * sizeof(float));
   compiler_barrier();
 }
 
@@ -125,38 +154,63 @@ inline void write(const float* sums, int64_t live, int64_t M, const BF16* bias, 
   }
 }
 
+// Every 16 weight rows of w (N, K) against the pass's rows of x, m0 .. m0 + 48 at most, into y.
+template <int C>
+void pass_over_weight(const Pass& pass, const BF16* w, const BF16* bias, BF16* y, int64_t K, int64_t N) {
+  const int64_t blocks = (N + kRows - 1) / kRows;  // the last may hold fewer than 16 weight rows
+  at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t begin, int64_t end) {
+    Config config;  // per thread: the tile registers are each thread's own
+    config.rows[POLYTRAIN_AMX_WEIGHT] = kRows;
+    config.bytes_per_row[POLYTRAIN_AMX_WEIGHT] = kDepth * sizeof(BF16);
+    const int sums_tiles[kChunks] = {POLYTRAIN_AMX_SUMS0, POLYTRAIN_AMX_SUMS1, POLYTRAIN_AMX_SUMS2};
+    const int x_tiles[kChunks] = {POLYTRAIN_AMX_X0, POLYTRAIN_AMX_X1, POLYTRAIN_AMX_X2};
+    for (int c = 0; c < C; ++c) {
+      config.rows[sums_tiles[c]] = config.rows[x_tiles[c]] = kRows;
+      config.bytes_per_row[sums_tiles[c]] = config.bytes_per_row[x_tiles[c]] = pass.rows[c] * sizeof(float);
+    }
+    compiler_barrier();
+    _tile_loadconfig(&config);
+    alignas(64) float sums[kChunks * kRows * kRows];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n = b * kRows, live = std::min<int64_t>(kRows, N - n);
+      if (live == kRows) {
+        block<C>(w + n * K, K, K, pass, sums);
+      } else {  // the weight's last rows, zero-padded to 16: the tile load must not read past w
+        std::vector<BF16> padded(kRows * K, BF16(0.0f));
+        std::copy(w + n * K, w + N * K, padded.begin());
+        block<C>(padded.data(), K, K, pass, sums);
+      }
+      for (int c = 0; c < C; ++c)
+        write(sums + c * kRows * kRows, live, pass.rows[c], bias, y + c * kRows * N, N, n);
+    }
+    _tile_release();
+  });
+}
+
 // y (M, N) = x (M, K) @ w (N, K)^T [+ bias (N)], bf16, on the tile unit (permitted() first).
 inline void thin_linear(const BF16* x, const BF16* w, const BF16* bias, BF16* y, int64_t M, int64_t K, int64_t N) {
-  const int64_t blocks = (N + kRows - 1) / kRows;  // the last may hold fewer than 16 weight rows
-  for (int64_t m0 = 0; m0 < M; m0 += kRows) {      // each 16 rows of x one pass over the weight
-    const int64_t rows = std::min<int64_t>(kRows, M - m0);
-    const std::vector<uint32_t> packed = pack_pairs(x + m0 * K, rows, K);
-    at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t begin, int64_t end) {
-      Config config;  // per thread: the tile registers are each thread's own
-      config.rows[POLYTRAIN_AMX_SUMS] = config.rows[POLYTRAIN_AMX_WEIGHT] = config.rows[POLYTRAIN_AMX_X] = kRows;
-      config.bytes_per_row[POLYTRAIN_AMX_SUMS] = config.bytes_per_row[POLYTRAIN_AMX_X] = rows * sizeof(float);
-      config.bytes_per_row[POLYTRAIN_AMX_WEIGHT] = kDepth * sizeof(BF16);
-      compiler_barrier();
-      _tile_loadconfig(&config);
-      alignas(64) float sums[kRows * kRows];
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t n = b * kRows, live = std::min<int64_t>(kRows, N - n);
-        if (live == kRows) {
-          block(w + n * K, K, K, packed.data(), rows, sums);
-        } else {  // the weight's last rows, zero-padded to 16: the tile load must not read past w
-          std::vector<BF16> padded(kRows * K, BF16(0.0f));
-          std::copy(w + n * K, w + N * K, padded.begin());
-          block(padded.data(), K, K, packed.data(), rows, sums);
-        }
-        write(sums, live, rows, bias, y + m0 * N, N, n);
-      }
-      _tile_release();
-    });
+  for (int64_t m0 = 0; m0 < M; m0 += kChunks * kRows) {  // each 48 rows of x one pass over the weight
+    Pass pass;
+    for (int64_t m = m0; m < std::min(M, m0 + kChunks * kRows); m += kRows, ++pass.count) {
+      pass.rows[pass.count] = std::min<int64_t>(kRows, M - m);
+      pass.packed[pass.count] = pack_pairs(x + m * K, pass.rows[pass.count], K);
+    }
+    switch (pass.count) {
+      case 1: pass_over_weight<1>(pass, w, bias, y + m0 * N, K, N); break;
+      case 2: pass_over_weight<2>(pass, w, bias, y + m0 * N, K, N); break;
+      default: pass_over_weight<3>(pass, w, bias, y + m0 * N, K, N); break;
+    }
   }
 }
 
 }  // namespace amx
 
-#undef POLYTRAIN_AMX_SUMS
+#undef POLYTRAIN_AMX_CHUNKS
+#undef POLYTRAIN_AMX_CHUNK
 #undef POLYTRAIN_AMX_WEIGHT
-#undef POLYTRAIN_AMX_X
+#undef POLYTRAIN_AMX_SUMS0
+#undef POLYTRAIN_AMX_X0
+#undef POLYTRAIN_AMX_SUMS1
+#undef POLYTRAIN_AMX_X1
+#undef POLYTRAIN_AMX_SUMS2
+#undef POLYTRAIN_AMX_X2

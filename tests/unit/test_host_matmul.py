@@ -47,9 +47,10 @@ def test_fp32_products_are_the_exact_dot_products_within_rounding(out_features, 
 
 # 96 inputs fill whole vector steps (16 lanes widened, 32 in bf16 pairs and AMX tile rows); 770
 # leave a tail; 2,500 run in three blocks of at most 1,024; 257, 65 and 33 outputs leave one row
-# after blocks of 16 (AMX's tiles); 20 rows take two passes of at most 16 on AMX
+# after blocks of 16 (AMX's tiles); on AMX 20 rows are two tiles of x against each weight tile, 50
+# two passes over the weight (48 rows, then 2)
 @pytest.mark.parametrize("out_features,in_features", [(257, 96), (65, 770), (33, 2500)])
-@pytest.mark.parametrize("rows", [1, 3, 8, 11, 16, 20])
+@pytest.mark.parametrize("rows", [1, 3, 8, 11, 16, 20, 50])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_products_are_summed_in_fp32_and_rounded_once(out_features, in_features, rows, with_bias):
     x, weight, bias = (t if t is None else t.bfloat16()
@@ -68,8 +69,8 @@ def test_bf16_products_are_summed_in_fp32_and_rounded_once(out_features, in_feat
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_output_gets_the_same_bits_whatever_the_threads_and_the_other_rows(dtype):
-    # 20 rows: three blocks of 8 rows (FMA kernel), two passes of 16 (AMX); 2,100 inputs: three blocks
-    x, weight, bias = (t.to(dtype) for t in operands(20, 1031, 2100, True))
+    # 50 rows: seven blocks of 8 rows (FMA kernel), two passes of 48 and 2 (AMX); 2,100 inputs: three blocks
+    x, weight, bias = (t.to(dtype) for t in operands(50, 1031, 2100, True))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -81,7 +82,7 @@ def test_every_output_gets_the_same_bits_whatever_the_threads_and_the_other_rows
     assert torch.equal(one, two)
     # a row alone, or with a few others, sums exactly as in the full batch: a sequence's tokens
     # do not depend on how many others decode beside it
-    for rows in (slice(3, 4), slice(0, 5), slice(8, 11), slice(14, 20)):
+    for rows in (slice(3, 4), slice(0, 5), slice(8, 11), slice(14, 20), slice(30, 50)):
         assert torch.equal(host_matmul.thin_linear(x[rows].contiguous(), weight, bias), two[rows])
 
 
