@@ -15,8 +15,9 @@ On a CPU with AMX (Sapphire Rapids and later Xeons) bf16 products run on its til
 (host_matmul_amx.h): one instruction multiplies 16 weight rows x 32 inputs by up to 16 rows of
 x, and a weight tile serves three such tiles of x, so 8-48 rows read the weights near the
 memory's rate where the FMAs bound the loop above (llama 125m's decoding weights at 22 / 20
-GB/s with 8 / 16 rows against 17 / 11, a 2-core Xeon). Its sums are fp32 and rounded once as well, but it reads bf16 inputs below 2^-126 as
-zero. `uses_amx()` says whether it runs here; `POLYTRAIN_HOST_AMX=0` keeps the FMA loop.
+GB/s with 8 / 16 rows against 17 / 11, a 2-core Xeon). Its sums are fp32 and rounded once as
+well, but it reads bf16 inputs below 2^-126 as zero. `uses_amx()` says whether it runs here;
+`POLYTRAIN_HOST_AMX=0` keeps the FMA loop.
 
 Each output is the same dot product F.linear computes, summed in another order: it differs
 from F.linear's by fp32 rounding (about 1e-6 relative), not bitwise.
