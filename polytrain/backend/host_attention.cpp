@@ -28,16 +28,11 @@ namespace {
 using host_vectors::Int;
 using host_vectors::kLanes;
 using host_vectors::load;
-using host_vectors::sum_halves;
+using host_vectors::sum_lanes;
 using host_vectors::Vec;
 
 constexpr int kGroup = 8;  // query heads per pass over a head's keys and values: their sums stay in registers
-
-inline float lane_sum(const Vec& v) {
-  float lanes[kLanes];
-  std::memcpy(lanes, &v, sizeof(Vec));
-  return sum_halves<kLanes>(lanes);
-}
+constexpr int kChunk = 2;  // vectors of a value row summed per pass over the slots: 8 heads x 2 of the registers
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -84,6 +79,27 @@ struct Operands {
   float scale;
 };
 
+// acc[g][d .. d + W * kLanes) = sum over s of e[g][s] v[s][same], v this head's values.
+template <typename T, int NG, int W>
+void values(const Operands<T>& p, const T* v, const float* e, int64_t padded, int64_t d, float* acc) {
+  Vec sum[NG][W];
+  for (int g = 0; g < NG; ++g)
+    for (int j = 0; j < W; ++j) sum[g][j] = Vec{};
+  for (int64_t s = 0; s < p.S; ++s) {
+    float weight[NG];
+    bool any = false;
+    for (int g = 0; g < NG; ++g) any |= (weight[g] = e[g * padded + s]) != 0.0f;
+    if (!any) continue;
+    const T* value = v + s * p.v_s + d;
+    for (int j = 0; j < W; ++j) {
+      const Vec vv = load(value + j * kLanes);
+      for (int g = 0; g < NG; ++g) sum[g][j] += weight[g] * vv;
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int j = 0; j < W; ++j) std::memcpy(acc + g * p.D + d + j * kLanes, &sum[g][j], sizeof(Vec));
+}
+
 // Queries g0 .. g0 + NG - 1 of head (b, h). scores: NG x row_length(S) floats; q32 and acc: NG x D floats.
 template <typename T, int NG>
 void heads(const Operands<T>& p, int64_t b, int64_t h, int64_t g0, float* q32, float* scores, float* acc) {
@@ -96,28 +112,42 @@ void heads(const Operands<T>& p, int64_t b, int64_t h, int64_t g0, float* q32, f
   const bool* keep = p.keep == nullptr ? nullptr : p.keep + b * p.mask_b;
   const float* add = p.add == nullptr ? nullptr : p.add + b * p.mask_b;
 
-  // scores (NG, S): scale q.k + mask; -inf where the mask excludes the slot
+  // scores (NG, S): scale q.k + mask; -inf where the mask excludes the slot. Keys go kLanes at a
+  // time: each key's NG dot-product vectors are parked in `dots`, then each query's kLanes vectors
+  // are summed at once (sum_lanes), a fraction of the instructions of kLanes separate lane sums.
   float top[NG];
   for (int g = 0; g < NG; ++g) top[g] = kNegInf;
-  for (int64_t s = 0; s < S; ++s) {
-    if (keep != nullptr && !keep[s * p.mask_s]) {
-      for (int g = 0; g < NG; ++g) scores[g * padded + s] = kNegInf;
-      continue;
+  for (int64_t s0 = 0; s0 < S; s0 += kLanes) {
+    const int n = static_cast<int>(std::min<int64_t>(kLanes, S - s0));
+    bool kept[kLanes];
+    Vec dots[NG][kLanes];
+    for (int i = 0; i < kLanes; ++i) {
+      kept[i] = i < n && (keep == nullptr || keep[(s0 + i) * p.mask_s]);
+      for (int g = 0; g < NG; ++g) dots[g][i] = Vec{};
+      if (!kept[i]) continue;  // skipped, not multiplied
+      const T* key = k + (s0 + i) * p.k_s;
+      Vec dot[NG];  // in registers, parked once the key is done
+      for (int g = 0; g < NG; ++g) dot[g] = Vec{};
+      for (int64_t d = 0; d < full; d += kLanes) {
+        const Vec kv = load(key + d);
+        for (int g = 0; g < NG; ++g) dot[g] += load(q32 + g * D + d) * kv;
+      }
+      for (int g = 0; g < NG; ++g) dots[g][i] = dot[g];
     }
-    const T* key = k + s * p.k_s;
-    Vec dot[NG];
-    for (int g = 0; g < NG; ++g) dot[g] = Vec{};
-    for (int64_t d = 0; d < full; d += kLanes) {
-      const Vec kv = load(key + d);
-      for (int g = 0; g < NG; ++g) dot[g] += load(q32 + g * D + d) * kv;
-    }
-    const float bias = add != nullptr ? add[s * p.mask_s] : 0.0f;
     for (int g = 0; g < NG; ++g) {
-      float score = lane_sum(dot[g]);
-      for (int64_t d = full; d < D; ++d) score += q32[g * D + d] * static_cast<float>(key[d]);
-      score = score * p.scale + bias;
-      scores[g * padded + s] = score;
-      top[g] = std::max(top[g], score);
+      float sums[kLanes];
+      sum_lanes<kLanes>(dots[g], sums);
+      for (int i = 0; i < n; ++i) {
+        const int64_t s = s0 + i;
+        float score = kNegInf;
+        if (kept[i]) {
+          const T* key = k + s * p.k_s;
+          for (int64_t d = full; d < D; ++d) sums[i] += q32[g * D + d] * static_cast<float>(key[d]);
+          score = sums[i] * p.scale + (add != nullptr ? add[s * p.mask_s] : 0.0f);
+        }
+        scores[g * padded + s] = score;
+        top[g] = std::max(top[g], score);
+      }
     }
   }
   // softmax's numerators, in place (the row padded with -inf to whole vectors), and their sums;
@@ -136,22 +166,19 @@ void heads(const Operands<T>& p, int64_t b, int64_t h, int64_t g0, float* q32, f
     } else {
       std::fill(row, row + padded, 0.0f);
     }
-    total[g] = lane_sum(sum);
+    sum_lanes<1>(&sum, &total[g]);
   }
-  // acc (NG, D) = sum over s of e[g][s] v[s]; a slot whose weights are all 0 adds nothing
-  std::fill(acc, acc + NG * D, 0.0f);
-  for (int64_t s = 0; s < S; ++s) {
-    float e[NG];
-    bool any = false;
-    for (int g = 0; g < NG; ++g) any |= (e[g] = scores[g * padded + s]) != 0.0f;
-    if (!any) continue;
-    const T* value = v + s * p.v_s;
-    for (int64_t d = 0; d < full; d += kLanes) {
-      const Vec vv = load(value + d);
-      for (int g = 0; g < NG; ++g) *reinterpret_cast<Vec*>(acc + g * D + d) += e[g] * vv;
+  // acc (NG, D) = sum over s of e[g][s] v[s], kChunk vectors of D at a time so that their NG x
+  // kChunk sums stay in registers through the slots; a slot whose weights are all 0 adds nothing
+  int64_t d = 0;
+  for (; d + kChunk * kLanes <= full; d += kChunk * kLanes) values<T, NG, kChunk>(p, v, scores, padded, d, acc);
+  for (; d < full; d += kLanes) values<T, NG, 1>(p, v, scores, padded, d, acc);
+  for (; d < D; ++d) {
+    for (int g = 0; g < NG; ++g) {
+      float sum = 0.0f;
+      for (int64_t s = 0; s < S; ++s) sum += scores[g * padded + s] * static_cast<float>(v[s * p.v_s + d]);
+      acc[g * D + d] = sum;
     }
-    for (int64_t d = full; d < D; ++d)
-      for (int g = 0; g < NG; ++g) acc[g * D + d] += e[g] * static_cast<float>(value[d]);
   }
   T* out = p.out + ((b * p.H + h) * p.G + g0) * D;
   for (int g = 0; g < NG; ++g)

@@ -37,7 +37,7 @@ namespace {
 
 using host_vectors::kLanes;
 using host_vectors::load;
-using host_vectors::sum_halves;
+using host_vectors::sum_lanes;
 using host_vectors::Vec;
 
 #if defined(__AVX512F__)
@@ -52,50 +52,6 @@ constexpr int kPrefetchTiles = 1;  // the tile after this one is fetched while t
 constexpr int64_t kGrainTiles = 16;  // tiles per thread at least: tiny weights stay on one thread
 constexpr int64_t kBlockK = 1024;    // inputs per pass: 8 rows of x in 32 KiB, beside the weight in L1
 constexpr int64_t kGroupTiles = 64;  // tiles per group: their partial sums (64 KiB at most) stay in L2
-
-// A tile's lane sums: at 8 rows a 2-row tile ends in 16 sums; added one lane after another (15
-// dependent adds each) they cost a large share of the tile's time over 768 inputs. With
-// AVX-512, sum_lanes sums 16 vectors at once by halving, two vectors' halves packed in each add
-// (the same additions as sum_halves, so the bits do not depend on the vectors summed together).
-template <int C>
-void sum_lanes(const Vec* v, float* sums) {
-#if defined(__AVX512F__)
-  for (int first = 0; first < C; first += 16) {
-    Vec level[16];
-    for (int i = 0; i < 16; ++i) level[i] = first + i < C ? v[first + i] : Vec{};
-    // 16 vectors -> 8: lanes 0-7 of the i-th hold vector 2i's halves added, lanes 8-15 vector 2i+1's
-    for (int i = 0; i < 8; ++i)
-      level[i] = __builtin_shufflevector(level[2 * i], level[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
-                                         20, 21, 22, 23) +
-                 __builtin_shufflevector(level[2 * i], level[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
-                                         27, 28, 29, 30, 31);
-    // 8 -> 4: four vectors' 4 partial sums each
-    for (int i = 0; i < 4; ++i)
-      level[i] = __builtin_shufflevector(level[2 * i], level[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19,
-                                         24, 25, 26, 27) +
-                 __builtin_shufflevector(level[2 * i], level[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23,
-                                         28, 29, 30, 31);
-    // 4 -> 2: eight vectors' 2 partial sums each
-    for (int i = 0; i < 2; ++i)
-      level[i] = __builtin_shufflevector(level[2 * i], level[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21,
-                                         24, 25, 28, 29) +
-                 __builtin_shufflevector(level[2 * i], level[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23,
-                                         26, 27, 30, 31);
-    // 2 -> 1: lane i is vector first + i's sum
-    const Vec total = __builtin_shufflevector(level[0], level[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
-                                              26, 28, 30) +
-                      __builtin_shufflevector(level[0], level[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25,
-                                              27, 29, 31);
-    for (int i = 0; i < 16 && first + i < C; ++i) sums[first + i] = total[i];
-  }
-#else
-  for (int i = 0; i < C; ++i) {
-    float lanes[kLanes];
-    std::memcpy(lanes, &v[i], sizeof(Vec));
-    sums[i] = sum_halves<kLanes>(lanes);
-  }
-#endif
-}
 
 // Rows n .. n+TN-1 of w against rows 0 .. MB-1 of x (fp32 rows of K elements; row stride N in
 // y) over inputs k0 .. k1-1: kLanes-wide partial sums, started from `carry` (acc[j][m] at
