@@ -30,7 +30,8 @@ class Attention(nn.Module):
     decode_kernel: Callable[..., torch.Tensor | None] | None = None
     """Set by inference while it generates (backend.host_attention.decode_attention on the host):
     (q (B, Hkv, G, D), k, v (B, Hkv, S, D), mask, scale) -> (B, Hkv, G, D), or None where it does
-    not apply; decoding's one-query attention goes to it first."""
+    not apply; decoding's one-query attention of grouped heads (`_one_query_per_group`) goes to it
+    first."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, layer_id: int, *,
                  head_dim: int | None = None, bias: bool = False, causal: bool = True,
