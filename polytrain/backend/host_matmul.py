@@ -83,7 +83,8 @@ def _build_dir() -> Path:
 
 @functools.cache
 def available() -> bool:
-    """Whether torch.ops.polytrain.thin_linear is loaded in this process (built first if needed)."""
+    """Whether the host kernels (torch.ops.polytrain.thin_linear and decode_attention) are loaded in
+    this process, built first if needed."""
     if os.environ.get(ENV_VAR, "1").strip() == "0":
         return False
     build = _build_dir()
@@ -93,14 +94,14 @@ def available() -> bool:
 
         build.mkdir(parents=True, exist_ok=True)
         if not any(build.glob("*.so")):
-            print(f"polytrain: building the host matmul kernel once for this machine into {build}",
+            print(f"polytrain: building the host kernels (matmul, attention) once for this machine into {build}",
                   file=sys.stderr, flush=True)
         cpp_extension.load(name="polytrain_host_matmul", sources=[str(f) for f in SOURCES], build_directory=str(build),
                            extra_cflags=["-O3", arch, "-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, an unsupported flag, a failed build: F.linear stays
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        warnings.warn(f"polytrain: the host matmul kernel could not be built ({reason}); decoding uses "
-                      f"F.linear ({ENV_VAR}=0 silences this)", stacklevel=2)
+        warnings.warn(f"polytrain: the host kernels could not be built ({reason}); decoding uses "
+                      f"F.linear and SDPA ({ENV_VAR}=0 silences this)", stacklevel=2)
         return False
     torch.library.register_fake("polytrain::thin_linear")(
         lambda x, weight, bias: x.new_empty(x.shape[0], weight.shape[0]))
