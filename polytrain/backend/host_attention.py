@@ -6,8 +6,9 @@ compiled step's products and sums (models.common.attention.attention_as_sums), w
 fuses into one loop nest, still read each key once per query head and work through the
 cache's unwritten slots. The operator reads each key and value row once for all G queries,
 skips the slots the mask excludes, and sums in fp32 (bf16 rounded once at the end): on a
-2-core Xeon, llama 125m's attention at batch 8 over a 96-slot cache, 60 written, takes 30 us a
-layer against SDPA's 41 (benchmarks/RESULTS.md has the step's figures).
+2-core Sapphire Rapids Xeon, llama 125m's bf16 attention at batch 8 takes 35 us a layer over a
+96-slot cache (64 written) against SDPA's 42 and the compiled sums' 84, and 264 us over 1,024
+slots (512 written) against 449 and 723 (benchmarks/decode_attention.py, RESULTS.md).
 
 It is built with host_matmul.cpp into one extension (`host_matmul.available()` builds it) and
 used by generation only: inference sets each attention layer's `decode_kernel` to
