@@ -4,6 +4,8 @@ fails without taking generation with it."""
 
 from __future__ import annotations
 
+import ctypes
+import platform
 import shutil
 
 import pytest
@@ -94,15 +96,19 @@ def test_a_nan_stays_in_its_own_row(dtype):
     assert got[1].isnan().all() and not got[[0, 2, 3]].isnan().any()
 
 
-def _cpu_has_amx() -> bool:
+def _amx_usable() -> bool:
+    """The CPU lists AMX-BF16 and Linux grants this process the tile state (asked here directly,
+    not through the kernel under test: x86-64's arch_prctl, ARCH_REQ_XCOMP_PERM, XTILEDATA)."""
     try:
         flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
     except (OSError, StopIteration):
         return False
-    return {"amx_tile", "amx_bf16"} <= set(flags)
+    if not {"amx_tile", "amx_bf16"} <= set(flags) or platform.machine() != "x86_64":
+        return False
+    return ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18) == 0
 
 
-@pytest.mark.skipif(not _cpu_has_amx(), reason="no AMX on this CPU: bf16 products run on the FMA kernel")
+@pytest.mark.skipif(not _amx_usable(), reason="no AMX on this CPU, or the OS withholds it: the FMA kernel runs")
 def test_bf16_products_run_on_amx_where_the_cpu_has_it_and_leave_torch_gemms_right():
     assert host_matmul.uses_amx()
     # oneDNN runs torch's bf16 GEMMs on the same tile registers: each side configures its own
