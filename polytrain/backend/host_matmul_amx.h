@@ -1,11 +1,11 @@
 // bf16 products on the tile unit (AMX: Sapphire Rapids and later Xeons), for host_matmul.cpp.
 //
 // The FMA kernel's bf16 products cost one widening and one FMA per 16 weights per row of x, so
-// from about 4 rows its arithmetic, not the memory, bounds it (llama 125m's weights read at 17-21
-// GB/s with 8 rows, 10-13 with 16, on a 2-core Xeon whose memory gives 25-30). One TDPBF16PS
-// multiplies 16 weight rows x 32 inputs by up to 16 rows of x, and each weight tile is loaded
-// once for up to three tiles of x, so up to 48 rows read the weights once, near the memory's rate
-// (a decoding step's llama 125m weights at 21, 20, 16.5 and 14 GB/s with 8, 16, 32 and 48 rows).
+// from about 4 rows its arithmetic, not the memory, bounds it (llama 125m's weights read at 12-16
+// GB/s with 8 rows, 8-10 with 16, 4-5 with 32, on a 2-core Xeon whose memory gives 23-29). One
+// TDPBF16PS multiplies 16 weight rows x 32 inputs by up to 16 rows of x, and each weight tile is
+// loaded once for up to three tiles of x, so up to 48 rows read the weights once (llama 125m's
+// (32000, 768) weight at 20.5, 21.4, 15.0 and 11.7 GB/s with 8, 16, 32 and 48 rows).
 //
 // The product is computed transposed, y^T (N, M) = w (N, K) @ x^T (K, M), so that the weight is
 // the tile unit's left operand, loaded straight from memory as 16 rows x 32 inputs (64 bytes

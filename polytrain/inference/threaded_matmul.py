@@ -9,8 +9,8 @@ on the host CPU torch's BLAS handles such thin products badly in two ways:
   bf16 instructions), `threaded_linears` sends them to `backend.host_matmul.thin_linear`,
   which streams each weight once for all rows (18-21 GB/s at 8 rows). Where that kernel runs
   bf16 on AMX's tile unit (`host_matmul.uses_amx()`), bf16 products of up to 48 rows, and
-  prefills of up to 48 rows, go to it too: F.linear's bf16 GEMM reads the weights at 9-12
-  GB/s at 8-48 rows there. Its sums round as
+  prefills of up to 48 rows, go to it too: F.linear's bf16 GEMM reads the weights at 6-17
+  GB/s at 8-48 rows there, the kernel at 1.04-2.0x that. Its sums round as
   F.linear's do but in another order: outputs differ from F.linear's in the last bits, so a
   greedy token can change only where two logits tie within fp32 rounding. The choice is by
   row count and dtype, not timed, so a run gives the same bits every time on one machine.
@@ -57,9 +57,10 @@ it, and it runs no faster than the BLAS's GEMM (benchmarks/threaded_matmul.py)."
 STREAM_DTYPES = (torch.float32, torch.bfloat16)
 AMX_STREAM_ROWS = 48
 """The most bf16 rows streamed where the host kernel runs them on AMX's tile unit, which reads each
-weight once for up to 48 rows: a decoding step's weights of llama 125m read at 21, 20, 16.5 and 14
-GB/s with 8, 16, 32 and 48 rows, F.linear's at 12, 12, 11.5 and 9.3 (a 2-core Sapphire Rapids
-Xeon, benchmarks/RESULTS.md)."""
+weight once for up to 48 rows: 1.04-2.0x F.linear's GB/s at every llama 125m weight shape at 8-48
+rows (llama 125m's (32000, 768) weight at 20.5, 21.4, 15.0 and 11.7 GB/s with 8, 16, 32 and 48
+rows, F.linear's oneDNN GEMM at 13.3, 13.6, 12.0 and 10.0; a 2-core Sapphire Rapids Xeon,
+benchmarks/threaded_matmul.py, RESULTS.md)."""
 EMULATED_STREAM_ROWS = 64
 """A prefill of at most this many rows streams through the host kernel where the host emulates
 its 16-bit GEMMs (`_many_rows`): the kernel's time grows with the rows (46, 74 and 163 ms at 16, 32
