@@ -5,11 +5,12 @@
 // so its time is the time to read the weights. The BLAS's GEMM packs a panel of the weight
 // before multiplying it, and at 2-16 rows that packing is most of the work: it reads llama
 // 125m's weights at 7-13 GB/s where the memory gives 25. Here each thread walks its own
-// contiguous block of the weight's rows, kTileN rows at a time, with the rows of x in L1: a
-// weight element is loaded once and used for all M rows of x, and the rows kPrefetchTiles tiles
-// ahead are prefetched so the load of the next rows overlaps this tile's arithmetic. Where x's
-// rows are too long for L1 beside the weight (8 rows of 2,048 inputs are 64 KiB), a group of
-// tiles runs over one block of kBlockK inputs at a time, each tile's partial sums kept in a
+// contiguous block of the weight's rows with the rows of x in L1, and each weight element is
+// loaded once and used for all M rows of x. Below kSideBySideFrom rows of x a thread reads one
+// weight row after another, front to back, as the memory serves best; from there the
+// arithmetic bounds the loop and two rows are walked side by side, each x vector loaded serving
+// both, the next two rows prefetched. Where x's rows are too long for L1 beside the weight rows,
+// a group of tiles runs over one block of inputs at a time, each tile's partial sums kept in a
 // buffer between blocks: the same additions in the same order, so the bits do not depend on
 // the blocking, the row count or the threads.
 
@@ -28,6 +29,10 @@
 
 #include "host_vectors.h"
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__linux__)
 #define POLYTRAIN_AMX 1
 #include "host_matmul_amx.h"
@@ -40,125 +45,178 @@ using host_vectors::load;
 using host_vectors::sum_lanes;
 using host_vectors::Vec;
 
-#if defined(__AVX512F__)
-constexpr int kTileN = 2;   // 2 weight rows x 8 x rows = 16 accumulators of the 32 registers
-#elif defined(__AVX__)
-constexpr int kTileN = 1;   // 8 accumulators of the 16 registers
+#if defined(__AVX512F__) || defined(__aarch64__)
+constexpr int kRowBlock = 8;  // rows of x per pass over a weight row: 8 accumulators, 32 registers
 #else
-constexpr int kTileN = 2;   // NEON: 32 registers
+constexpr int kRowBlock = 4;  // 16 registers
 #endif
-constexpr int kRowBlock = 8;       // rows of x per pass over a tile (more spill the accumulators)
-constexpr int kPrefetchTiles = 1;  // the tile after this one is fetched while this one computes
-constexpr int64_t kGrainTiles = 16;  // tiles per thread at least: tiny weights stay on one thread
-constexpr int64_t kBlockK = 1024;    // inputs per pass: 8 rows of x in 32 KiB, beside the weight in L1
-constexpr int64_t kGroupTiles = 64;  // tiles per group: their partial sums (64 KiB at most) stay in L2
+constexpr int kTileN = 16;            // weight rows whose sums are finished together (sum_lanes: 16 at once)
+constexpr int64_t kGrainTiles = 2;    // tiles per thread at least: tiny weights stay on one thread
+constexpr int kSideBySideFrom = 8;   // rows of x from which two weight rows are walked side by side
+constexpr int64_t kXBytes = 32 * 1024;  // of x's rows per pass over a block of inputs: L1 beside the weight rows
+constexpr int64_t kGroupTiles = 8;    // tiles per group: their partial sums (kTileN x M vectors each) stay in L2
 
-// Rows n .. n+TN-1 of w against rows 0 .. MB-1 of x (fp32 rows of K elements; row stride N in
-// y) over inputs k0 .. k1-1: kLanes-wide partial sums, started from `carry` (acc[j][m] at
-// carry[j * kRowBlock + m]) unless k0 is 0, and left there unless k1 is K; at K each lane sum
-// plus the scalar tail of k (K % kLanes) and the bias goes to y.
-template <typename T, int TN, int MB>
-void tile(const float* x, const T* w, const T* bias, T* y, int64_t K, int64_t N, int64_t n, int64_t k0,
-          int64_t k1, Vec* carry) {
-  Vec acc[TN][MB];
-#pragma GCC unroll 8
-  for (int j = 0; j < TN; ++j)
-#pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) acc[j][m] = k0 == 0 ? Vec{} : carry[j * kRowBlock + m];
-  const int64_t full = std::min(k1, K / kLanes * kLanes);
-  const T* rows = w + n * K;
-  for (int64_t k = k0; k < full; k += kLanes) {
-    Vec wv[TN];
-#pragma GCC unroll 8
-    for (int j = 0; j < TN; ++j) {
-      __builtin_prefetch(rows + (kPrefetchTiles * TN + j) * K + k);  // past the end: a no-op
-      wv[j] = load(rows + j * K + k);
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) {
-      const Vec xv = load(x + m * K + k);
-#pragma GCC unroll 8
-      for (int j = 0; j < TN; ++j) acc[j][m] += xv * wv[j];
-    }
+// How a tile multiplies a weight row by a row of x, kStep inputs at a time into kLanes fp32 sums.
+// Widened: x widened to fp32 once per call (X = float), each weight vector widened in registers
+// (bf16) and multiplied and added with one FMA per kLanes inputs.
+template <typename T>
+struct Widened {
+  using X = float;
+  using Weights = Vec;
+  static constexpr int kStep = kLanes;
+  static Weights load_weights(const T* p) { return load(p); }
+  static Vec multiply_add(Vec acc, Weights w, const float* x) { return acc + w * load(x); }
+};
+
+#if defined(__AVX512BF16__)
+// Paired (bf16 on CPUs with AVX512-BF16: Zen 4, Cooper Lake, Sapphire Rapids): x and the weight
+// as they are; one VDPBF16PS adds to each of 16 fp32 lanes the products of a pair of neighbouring
+// inputs, 32 inputs an instruction, where widening costs a conversion and an FMA per 16. A bf16
+// product is exact in fp32 and each is added with one rounding, as an FMA adds it; but inputs
+// below 2^-126 read as zero, as on AMX. x is not widened either: half the bytes in L1.
+struct Paired {
+  using X = c10::BFloat16;
+  using Weights = __m512bh;
+  static constexpr int kStep = 2 * kLanes;
+  static Weights load_weights(const c10::BFloat16* p) {
+    Weights w;
+    std::memcpy(&w, p, sizeof(w));  // one unaligned 64-byte load
+    return w;
   }
-  if (k1 < K) {
-#pragma GCC unroll 8
-    for (int j = 0; j < TN; ++j)
-#pragma GCC unroll 8
-      for (int m = 0; m < MB; ++m) carry[j * kRowBlock + m] = acc[j][m];
-    return;
+  static Vec multiply_add(Vec acc, Weights w, const c10::BFloat16* x) {
+    return reinterpret_cast<Vec>(_mm512_dpbf16_ps(reinterpret_cast<__m512>(acc), w, load_weights(x)));
   }
-  // copied: were acc's own address taken, GCC 12 would keep it in memory through the loop above
-  Vec flat[TN * MB];
-  float sums[TN][MB];
-  for (int j = 0; j < TN; ++j)
-    for (int m = 0; m < MB; ++m) flat[j * MB + m] = acc[j][m];
-  sum_lanes<TN * MB>(flat, &sums[0][0]);
-  for (int j = 0; j < TN; ++j) {
+};
+#endif
+
+// P neighbouring weight rows against MB rows of x (rows of K elements) over inputs k0 .. k1-1
+// (k1 - k0 a multiple of kStep): kLanes-wide partial sums (weight row p, x row m at
+// sums[p * MB + m]), started from `sums` unless k0 is 0, and left there. Each weight vector
+// loaded serves MB rows of x, each x vector P weight rows.
+template <typename Way, int P, int MB, typename T>
+void rows_pass(const typename Way::X* x, const T* rows, int64_t K, int64_t k0, int64_t k1, Vec* sums) {
+  Vec acc[P][MB];
+#pragma GCC unroll 16
+  for (int p = 0; p < P; ++p)
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m) acc[p][m] = k0 == 0 ? Vec{} : sums[p * MB + m];
+  for (int64_t k = k0; k < k1; k += Way::kStep) {
+    typename Way::Weights w[P];
+#pragma GCC unroll 16
+    for (int p = 0; p < P; ++p) {
+      if constexpr (P > 1) __builtin_prefetch(rows + (P + p) * K + k);  // the next P rows; past the end: a no-op
+      w[p] = Way::load_weights(rows + p * K + k);
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 16
+      for (int p = 0; p < P; ++p) acc[p][m] = Way::multiply_add(acc[p][m], w[p], x + m * K + k);
+  }
+#pragma GCC unroll 16
+  for (int p = 0; p < P; ++p)
+#pragma GCC unroll 16
+    for (int m = 0; m < MB; ++m) sums[p * MB + m] = acc[p][m];
+}
+
+template <typename Way, int P, typename T>
+void rows_pass(int MB, const typename Way::X* x, const T* rows, int64_t K, int64_t k0, int64_t k1, Vec* sums) {
+  switch (MB) {
+    case 1: return rows_pass<Way, P, 1>(x, rows, K, k0, k1, sums);
+    case 2: return rows_pass<Way, P, 2>(x, rows, K, k0, k1, sums);
+    case 3: return rows_pass<Way, P, 3>(x, rows, K, k0, k1, sums);
+    case 4: return rows_pass<Way, P, 4>(x, rows, K, k0, k1, sums);
+    case 5: return rows_pass<Way, P, 5>(x, rows, K, k0, k1, sums);
+    case 6: return rows_pass<Way, P, 6>(x, rows, K, k0, k1, sums);
+    case 7: return rows_pass<Way, P, 7>(x, rows, K, k0, k1, sums);
+    default: return rows_pass<Way, P, kRowBlock>(x, rows, K, k0, k1, sums);
+  }
+}
+
+// The outputs of weight rows n .. n+TN-1 for MB rows of x (y's rows, stride N) from their
+// partial sums (row j, x row m at sums[j * MB + m]): each lane sum, plus the scalar tail of k
+// (K % kStep) and the bias.
+template <typename Way, int MB, typename T>
+void finish(const typename Way::X* x, const T* w, const T* bias, T* y, int64_t K, int64_t N, int64_t n,
+            int64_t TN, const Vec* sums) {
+  float totals[kTileN * MB];
+  sum_lanes<kTileN * MB>(sums, totals);  // rows past TN (the last tile): summed, not written
+  const int64_t full = K / Way::kStep * Way::kStep;
+  for (int64_t j = 0; j < TN; ++j) {
+    const T* row = w + (n + j) * K;
     for (int m = 0; m < MB; ++m) {
-      float s = sums[j][m];
-      for (int64_t k = full; k < K; ++k) s += x[m * K + k] * static_cast<float>(rows[j * K + k]);
+      float s = totals[j * MB + m];
+      for (int64_t k = full; k < K; ++k) s += static_cast<float>(x[m * K + k]) * static_cast<float>(row[k]);
       if (bias != nullptr) s += static_cast<float>(bias[n + j]);
       y[m * N + n + j] = static_cast<T>(s);
     }
   }
 }
 
-// What one pass of `tile` needs besides its row count and rows: the operands and the k range.
-template <typename T>
-struct Pass {
-  const float* x;
-  const T* w;
-  const T* bias;
-  T* y;
-  int64_t M, K, N, k0, k1;
-};
-
-template <typename T, int TN>
-void tile_rows(const Pass<T>& p, int64_t rows_left, int64_t m0, int64_t n, Vec* carry) {
-  const float* x = p.x + m0 * p.K;
-  T* y = p.y + m0 * p.N;
-  switch (rows_left) {
-    case 1: return tile<T, TN, 1>(x, p.w, p.bias, y, p.K, p.N, n, p.k0, p.k1, carry);
-    case 2: return tile<T, TN, 2>(x, p.w, p.bias, y, p.K, p.N, n, p.k0, p.k1, carry);
-    case 3: return tile<T, TN, 3>(x, p.w, p.bias, y, p.K, p.N, n, p.k0, p.k1, carry);
-    case 4: return tile<T, TN, 4>(x, p.w, p.bias, y, p.K, p.N, n, p.k0, p.k1, carry);
-    case 5: return tile<T, TN, 5>(x, p.w, p.bias, y, p.K, p.N, n, p.k0, p.k1, carry);
-    case 6: return tile<T, TN, 6>(x, p.w, p.bias, y, p.K, p.N, n, p.k0, p.k1, carry);
-    case 7: return tile<T, TN, 7>(x, p.w, p.bias, y, p.K, p.N, n, p.k0, p.k1, carry);
-    default: return tile<T, TN, kRowBlock>(x, p.w, p.bias, y, p.K, p.N, n, p.k0, p.k1, carry);
+// One tile: weight rows n .. n+TN-1 over inputs k0 .. k1-1 against every block of kRowBlock rows
+// of x. With few rows of x, one weight row after another, each read from memory front to back
+// and serving all blocks from L1: two rows walked side by side read llama 125m's bf16 weights
+// at 0.6-0.8x the rate of one at a time with 1-4 rows of x, on a 2-core Zen 4 EPYC whose memory
+// gives ~28 GB/s to one row at a time. From kSideBySideFrom rows, when the arithmetic bounds
+// the loop, two side by side: each x vector loaded serves both, 1.1-1.5x with 8 rows (and the
+// software prefetch that slows the one-row walk by 10-25% speeds this one up by 1.2-1.5x).
+// `sums` holds the tile's partial sums, block after block (kTileN x MB each: kTileN x M in all);
+// at K they are finished into y.
+template <typename T, typename Way>
+void tile(const typename Way::X* x, const T* w, const T* bias, T* y, int64_t M, int64_t K, int64_t N,
+          int64_t n, int64_t k0, int64_t k1, Vec* sums) {
+  const int64_t TN = std::min<int64_t>(kTileN, N - n);
+  const int64_t pass_end = std::min(k1, K / Way::kStep * Way::kStep);
+  const int P = M >= kSideBySideFrom && TN % 2 == 0 ? 2 : 1;
+  for (int64_t j = 0; j < TN; j += P) {
+    const T* rows = w + (n + j) * K;
+    for (int64_t m = 0; m < M; m += kRowBlock) {
+      const int MB = static_cast<int>(std::min<int64_t>(kRowBlock, M - m));
+      Vec* s = sums + kTileN * m + j * MB;
+      if (P == 2) {
+        rows_pass<Way, 2>(MB, x + m * K, rows, K, k0, pass_end, s);
+      } else {
+        rows_pass<Way, 1>(MB, x + m * K, rows, K, k0, pass_end, s);
+      }
+    }
   }
-}
-
-// Every block of kRowBlock rows of x against weight rows n .. n+kTileN-1 (fewer in the last
-// tile), the weight read from memory once however many rows there are (it stays in L1 between
-// blocks). `carry` holds the tile's partial sums: kTileN x kRowBlock per block of rows.
-template <typename T>
-void weight_tile(const Pass<T>& p, int64_t n, Vec* carry) {
-  for (int64_t m = 0, block = 0; m < p.M; m += kRowBlock, ++block) {
-    const int64_t rows_left = std::min<int64_t>(kRowBlock, p.M - m);
-    Vec* block_carry = carry + block * kTileN * kRowBlock;
-    if (n + kTileN <= p.N) {
-      tile_rows<T, kTileN>(p, rows_left, m, n, block_carry);
-    } else {
-      for (int64_t row = n; row < p.N; ++row)
-        tile_rows<T, 1>(p, rows_left, m, row, block_carry + (row - n) * kRowBlock);
+  if (k1 < K) return;
+  for (int64_t m = 0; m < M; m += kRowBlock) {
+    const int MB = static_cast<int>(std::min<int64_t>(kRowBlock, M - m));
+    const typename Way::X* xb = x + m * K;
+    const Vec* s = sums + kTileN * m;
+    T* yb = y + m * N;
+    switch (MB) {
+      case 1: finish<Way, 1>(xb, w, bias, yb, K, N, n, TN, s); break;
+      case 2: finish<Way, 2>(xb, w, bias, yb, K, N, n, TN, s); break;
+      case 3: finish<Way, 3>(xb, w, bias, yb, K, N, n, TN, s); break;
+      case 4: finish<Way, 4>(xb, w, bias, yb, K, N, n, TN, s); break;
+      case 5: finish<Way, 5>(xb, w, bias, yb, K, N, n, TN, s); break;
+      case 6: finish<Way, 6>(xb, w, bias, yb, K, N, n, TN, s); break;
+      case 7: finish<Way, 7>(xb, w, bias, yb, K, N, n, TN, s); break;
+      default: finish<Way, kRowBlock>(xb, w, bias, yb, K, N, n, TN, s); break;
     }
   }
 }
 
-template <typename T>
-void thin_linear_kernel(const float* x, const T* w, const T* bias, T* y, int64_t M, int64_t K, int64_t N) {
+// Where x's rows are too long for L1 beside the weight rows (8 rows of 2,048 fp32 inputs are 64
+// KiB), a group of tiles runs over one block of inputs at a time (block_k: kXBytes of x's rows),
+// the partial sums kept between blocks: the same additions in the same order, so the bits do not depend on the
+// blocking, the row count or the threads.
+template <typename T, typename Way>
+void thin_linear_kernel(const typename Way::X* x, const T* w, const T* bias, T* y, int64_t M, int64_t K,
+                        int64_t N) {
   const int64_t tiles = (N + kTileN - 1) / kTileN;  // the last one may hold fewer than kTileN rows
-  const int64_t carry_per_tile = (M + kRowBlock - 1) / kRowBlock * kTileN * kRowBlock;
+  const int64_t sums_per_tile = kTileN * M;
+  const int64_t x_row_bytes = std::min<int64_t>(M, kRowBlock) * sizeof(typename Way::X);
+  const int64_t block_k = std::max<int64_t>(kXBytes / x_row_bytes / 1024 * 1024, 1024);  // a multiple of kStep
   at::parallel_for(0, tiles, kGrainTiles, [&](int64_t begin, int64_t end) {
-    std::vector<Vec> carry(K > kBlockK ? kGroupTiles * carry_per_tile : 0);
+    std::vector<Vec> sums(std::min(kGroupTiles, end - begin) * sums_per_tile);
     for (int64_t group = begin; group < end; group += kGroupTiles) {
       const int64_t group_end = std::min(end, group + kGroupTiles);
-      for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
-        const Pass<T> pass{x, w, bias, y, M, K, N, k0, std::min(K, k0 + kBlockK)};
+      for (int64_t k0 = 0; k0 < K; k0 += block_k) {
+        const int64_t k1 = std::min(K, k0 + block_k);
         for (int64_t t = group; t < group_end; ++t)
-          weight_tile(pass, t * kTileN, carry.data() + (t - group) * carry_per_tile);
+          tile<T, Way>(x, w, bias, y, M, K, N, t * kTileN, k0, k1, sums.data() + (t - group) * sums_per_tile);
       }
     }
   });
@@ -181,12 +239,9 @@ at::Tensor thin_linear(const at::Tensor& x, const at::Tensor& weight, const std:
   at::Tensor y = at::empty({M, N}, x.options());
   if (x.scalar_type() == at::kFloat) {
     const float* bias_data = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-    thin_linear_kernel<float>(x.data_ptr<float>(), weight.data_ptr<float>(), bias_data, y.data_ptr<float>(), M, K, N);
+    thin_linear_kernel<float, Widened<float>>(x.data_ptr<float>(), weight.data_ptr<float>(), bias_data,
+                                              y.data_ptr<float>(), M, K, N);
   } else {
-    // x widened to fp32 once here, not once per weight row: (M, K). Into an aligned buffer, not
-    // x.to(kFloat), a dispatched op: llama 125m's 85 bf16 products of one row ran 3% faster this
-    // way (paired rounds on a 2-core Xeon); a malloc'd buffer, whose 16-byte alignment splits
-    // the 64-byte vector loads across cache lines, ran 10% slower at 8 rows.
     using B = c10::BFloat16;
     const B* bias_data = bias.has_value() ? bias->data_ptr<B>() : nullptr;
 #ifdef POLYTRAIN_AMX
@@ -195,10 +250,18 @@ at::Tensor thin_linear(const at::Tensor& x, const at::Tensor& weight, const std:
       return y;
     }
 #endif
+#if defined(__AVX512BF16__)
+    thin_linear_kernel<B, Paired>(x.data_ptr<B>(), weight.data_ptr<B>(), bias_data, y.data_ptr<B>(), M, K, N);
+#else
+    // x widened to fp32 once here, not once per weight row: (M, K). Into an aligned buffer, not
+    // x.to(kFloat), a dispatched op: llama 125m's 85 bf16 products of one row ran 3% faster this
+    // way (paired rounds on a 2-core Xeon); a malloc'd buffer, whose 16-byte alignment splits
+    // the 64-byte vector loads across cache lines, ran 10% slower at 8 rows.
     c10::DataPtr x32 = c10::GetCPUAllocator()->allocate(M * K * sizeof(float));
     std::copy(x.data_ptr<B>(), x.data_ptr<B>() + M * K, static_cast<float*>(x32.get()));  // exact
-    thin_linear_kernel<B>(static_cast<const float*>(x32.get()), weight.data_ptr<B>(), bias_data, y.data_ptr<B>(),
-                          M, K, N);
+    thin_linear_kernel<B, Widened<B>>(static_cast<const float*>(x32.get()), weight.data_ptr<B>(), bias_data,
+                                      y.data_ptr<B>(), M, K, N);
+#endif
   }
   return y;
 }

@@ -4,29 +4,28 @@ A decoding step multiplies a few rows (batch x 1 token) by every weight of the m
 on the host CPU torch's BLAS handles such thin products badly in two ways:
 
 - at 2-8 rows it runs a GEMM that packs each weight panel before using it, reading llama
-  125m's weights at 7-13 GB/s where the memory gives 25 (fp32, a 2-core Xeon). From 2 rows,
-  and from 1 in bf16 (whose products the CPU BLAS runs at about half fp32's byte rate without
-  bf16 instructions), `threaded_linears` sends them to `backend.host_matmul.thin_linear`,
-  which streams each weight once for all rows (18-21 GB/s at 8 rows). Where that kernel runs
-  bf16 on AMX's tile unit (`host_matmul.uses_amx()`), bf16 products of up to 48 rows, and
-  prefills of up to 48 rows, go to it too: F.linear's bf16 GEMM reads the weights at 6-17
-  GB/s at 8-48 rows there, the kernel at 1.04-2.0x that. Its sums round as
-  F.linear's do but in another order: outputs differ from F.linear's in the last bits, so a
-  greedy token can change only where two logits tie within fp32 rounding. The choice is by
-  row count and dtype, not timed, so a run gives the same bits every time on one machine.
+  125m's weights at 7-13 GB/s where the memory gives 25 (fp32, a 2-core Xeon). Up to
+  STREAM_ROWS rows `threaded_linears` sends them to `backend.host_matmul.thin_linear`, which
+  streams each weight once for all rows (on a 2-core Zen 4 EPYC 24-26 GB/s at one row, 12-16
+  at 8, where F.linear reads 10-13 and 5-10). Where that kernel runs bf16 on AMX's tile unit
+  (`host_matmul.uses_amx()`), bf16 products of up to 48 rows, and prefills of up to 48 rows,
+  go to it too: F.linear's bf16 GEMM reads the weights at 6-17 GB/s at 8-48 rows there, the
+  kernel at 1.04-2.0x that. Its sums round as F.linear's do but in another order: outputs
+  differ from F.linear's in the last bits, so a greedy token can change only where two logits
+  tie within fp32 rounding. The choice is by row count and dtype, not timed, so a run gives
+  the same bits every time on one machine.
 - at one fp32 row it runs a GEMV, which streams the weight but, on some CPUs, on a single
-  thread however many torch has: on the 2-core EPYC here F.linear reads a llama 125m weight
-  at 10 GB/s with 2 threads, as with 1, while the memory gives 28 GB/s. Splitting the
-  weight's output rows into one block per thread and multiplying the blocks as a batch
-  (torch.bmm, which ATen runs in parallel over the batch) reads it at 16-18 GB/s, and llama
-  125m's decoding at batch 1 runs 1.4-1.6x faster (benchmarks/RESULTS.md). Each block is the
-  GEMM F.linear runs, so each output element is the same dot product summed in the same
-  order (bitwise equal in every shape tested). Whether the split is faster depends on the
-  shape and the machine, so it is measured: once per (out, in, rows, dtype, threads), on the
-  model's own weights, each pass after the model's other weights have been read (as in
-  decoding, none is hot in a cache), and kept only where it is clearly faster. On a CPU
-  whose BLAS already threads the GEMV (an AVX-512 Xeon: 21-27 GB/s at one row) nothing is
-  split.
+  thread however many torch has: on a 2-core EPYC F.linear reads a llama 125m weight at 10-11
+  GB/s with 2 threads, as with 1, while the memory gives 28 GB/s. Where the host kernel cannot
+  be built, splitting the weight's output rows into one block per thread and multiplying the
+  blocks as a batch (torch.bmm, which ATen runs in parallel over the batch) reads it at 12-20
+  GB/s. Each block is the GEMM F.linear runs, so each output element is the same dot product
+  summed in the same order (bitwise equal in every shape tested). Whether the split is faster
+  depends on the shape and the machine, so it is measured: once per (out, in, rows, dtype,
+  threads), on the model's own weights, each pass after the model's other weights have been
+  read (as in decoding, none is hot in a cache), and kept only where it is clearly faster. On
+  a CPU whose BLAS already threads the GEMV (an AVX-512 Xeon: 21-27 GB/s at one row) nothing
+  is split.
 
 `threaded_linears(model, rows)` replaces the forward of each plain nn.Linear held on the host
 for the duration of generation (subclasses such as LoRA's, and sharded or wrapped layers, are
@@ -53,7 +52,7 @@ MARGIN = 0.9
 """The split replaces F.linear only if it takes at most this fraction of F.linear's time."""
 STREAM_ROWS = 8
 """The most rows streamed through the host kernel: from 16 rows its FMAs, not the memory, bound
-it, and it runs no faster than the BLAS's GEMM (benchmarks/threaded_matmul.py)."""
+it, and on a 2-core Xeon it ran no faster than the BLAS's GEMM (benchmarks/threaded_matmul.py)."""
 STREAM_DTYPES = (torch.float32, torch.bfloat16)
 AMX_STREAM_ROWS = 48
 """The most bf16 rows streamed where the host kernel runs them on AMX's tile unit, which reads each
@@ -153,7 +152,7 @@ def _stream_rows(dtype: torch.dtype) -> int:
 
 def _streams(dtype: torch.dtype, rows: int) -> bool:
     """Whether products of `rows` rows in `dtype` go through the host kernel (module docstring)."""
-    return (rows >= 2 or dtype != torch.float32) and rows <= _stream_rows(dtype)
+    return rows <= _stream_rows(dtype)
 
 
 def _many_rows(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -31,8 +31,9 @@ def operands(rows: int, out_features: int, in_features: int, with_bias: bool, se
     return x, weight, bias
 
 
-# 770 inputs leave a tail after the vector lanes; 513 outputs leave a row after the two-row tiles;
-# 2,500 inputs run in three blocks of at most 1,024, partial sums carried between them
+# 770 inputs leave a tail after the vector lanes; 513 outputs leave a row after tiles of 16, 131
+# three (odd: one row at a time from 8 rows of x too), 40 eight (two side by side from 8 rows);
+# 2,500 inputs run in blocks of 1,024 with 8 or more rows, partial sums carried between them
 @pytest.mark.parametrize("out_features,in_features", [(513, 770), (96, 64), (1, 16), (40, 3), (131, 2500)])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -48,7 +49,7 @@ def test_fp32_products_are_the_exact_dot_products_within_rounding(out_features, 
 
 
 # 96 inputs fill whole vector steps (16 lanes widened, 32 in bf16 pairs and AMX tile rows); 770
-# leave a tail; 2,500 run in three blocks of at most 1,024; 257, 65 and 33 outputs leave one row
+# leave a tail; 2,500 run in blocks of 2,048 with 8 or more rows; 257, 65 and 33 outputs leave one row
 # after blocks of 16 (AMX's tiles); on AMX 20 rows are two tiles of x against each weight tile, 50
 # two passes over the weight (48 rows, then 2)
 @pytest.mark.parametrize("out_features,in_features", [(257, 96), (65, 770), (33, 2500)])
@@ -71,7 +72,7 @@ def test_bf16_products_are_summed_in_fp32_and_rounded_once(out_features, in_feat
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_output_gets_the_same_bits_whatever_the_threads_and_the_other_rows(dtype):
-    # 50 rows: seven blocks of 8 rows (FMA kernel), two passes of 48 and 2 (AMX); 2,100 inputs: three blocks
+    # 50 rows: seven blocks of 8 rows (FMA kernel), two passes of 48 and 2 (AMX); 2,100 inputs: 2-3 blocks
     x, weight, bias = (t.to(dtype) for t in operands(50, 1031, 2100, True))
     before = torch.get_num_threads()
     try:
