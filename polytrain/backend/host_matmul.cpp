@@ -42,6 +42,7 @@ namespace {
 
 using host_vectors::kLanes;
 using host_vectors::load;
+using host_vectors::store;
 using host_vectors::sum_lanes;
 using host_vectors::Vec;
 
@@ -91,7 +92,7 @@ struct Paired {
 
 // P neighbouring weight rows against MB rows of x (rows of K elements) over inputs k0 .. k1-1
 // (k1 - k0 a multiple of kStep): kLanes-wide partial sums (weight row p, x row m at
-// sums[p * MB + m]), started from `sums` unless k0 is 0, and left there. Each weight vector
+// sums[m * kTileN + p]), started from `sums` unless k0 is 0, and left there. Each weight vector
 // loaded serves MB rows of x, each x vector P weight rows.
 template <typename Way, int P, int MB, typename T>
 void rows_pass(const typename Way::X* x, const T* rows, int64_t K, int64_t k0, int64_t k1, Vec* sums) {
@@ -99,7 +100,7 @@ void rows_pass(const typename Way::X* x, const T* rows, int64_t K, int64_t k0, i
 #pragma GCC unroll 16
   for (int p = 0; p < P; ++p)
 #pragma GCC unroll 16
-    for (int m = 0; m < MB; ++m) acc[p][m] = k0 == 0 ? Vec{} : sums[p * MB + m];
+    for (int m = 0; m < MB; ++m) acc[p][m] = k0 == 0 ? Vec{} : sums[m * kTileN + p];
   for (int64_t k = k0; k < k1; k += Way::kStep) {
     typename Way::Weights w[P];
 #pragma GCC unroll 16
@@ -115,7 +116,7 @@ void rows_pass(const typename Way::X* x, const T* rows, int64_t K, int64_t k0, i
 #pragma GCC unroll 16
   for (int p = 0; p < P; ++p)
 #pragma GCC unroll 16
-    for (int m = 0; m < MB; ++m) sums[p * MB + m] = acc[p][m];
+    for (int m = 0; m < MB; ++m) sums[m * kTileN + p] = acc[p][m];
 }
 
 template <typename Way, int P, typename T>
@@ -132,19 +133,28 @@ void rows_pass(int MB, const typename Way::X* x, const T* rows, int64_t K, int64
   }
 }
 
-// The outputs of weight rows n .. n+TN-1 for MB rows of x (y's rows, stride N) from their
-// partial sums (row j, x row m at sums[j * MB + m]): each lane sum, plus the scalar tail of k
-// (K % kStep) and the bias.
-template <typename Way, int MB, typename T>
-void finish(const typename Way::X* x, const T* w, const T* bias, T* y, int64_t K, int64_t N, int64_t n,
-            int64_t TN, const Vec* sums) {
-  float totals[kTileN * MB];
-  sum_lanes<kTileN * MB>(sums, totals);  // rows past TN (the last tile): summed, not written
+// The outputs of weight rows n .. n+TN-1 for the M rows of x (y's rows, stride N) from their
+// partial sums (weight row j, x row m at sums[m * kTileN + j]): each lane sum, plus the scalar
+// tail of k (K % kStep) and the bias. A whole tile without a tail is finished kLanes outputs at a
+// time: the same additions as the scalar path, in vectors.
+template <typename Way, typename T>
+void finish(const typename Way::X* x, const T* w, const T* bias, T* y, int64_t M, int64_t K, int64_t N,
+            int64_t n, int64_t TN, const Vec* sums) {
   const int64_t full = K / Way::kStep * Way::kStep;
-  for (int64_t j = 0; j < TN; ++j) {
-    const T* row = w + (n + j) * K;
-    for (int m = 0; m < MB; ++m) {
-      float s = totals[j * MB + m];
+  alignas(64) float totals[kTileN];
+  for (int64_t m = 0; m < M; ++m) {
+    sum_lanes<kTileN>(sums + m * kTileN, totals);  // rows past TN (the last tile): summed, not written
+    if (TN == kTileN && full == K) {
+      for (int v = 0; v < kTileN; v += kLanes) {
+        Vec out = load(totals + v);
+        if (bias != nullptr) out += load(bias + n + v);
+        store(out, y + m * N + n + v);
+      }
+      continue;
+    }
+    for (int64_t j = 0; j < TN; ++j) {
+      const T* row = w + (n + j) * K;
+      float s = totals[j];
       for (int64_t k = full; k < K; ++k) s += static_cast<float>(x[m * K + k]) * static_cast<float>(row[k]);
       if (bias != nullptr) s += static_cast<float>(bias[n + j]);
       y[m * N + n + j] = static_cast<T>(s);
@@ -171,7 +181,7 @@ void tile(const typename Way::X* x, const T* w, const T* bias, T* y, int64_t M, 
     const T* rows = w + (n + j) * K;
     for (int64_t m = 0; m < M; m += kRowBlock) {
       const int MB = static_cast<int>(std::min<int64_t>(kRowBlock, M - m));
-      Vec* s = sums + kTileN * m + j * MB;
+      Vec* s = sums + kTileN * m + j;
       if (P == 2) {
         rows_pass<Way, 2>(MB, x + m * K, rows, K, k0, pass_end, s);
       } else {
@@ -179,23 +189,7 @@ void tile(const typename Way::X* x, const T* w, const T* bias, T* y, int64_t M, 
       }
     }
   }
-  if (k1 < K) return;
-  for (int64_t m = 0; m < M; m += kRowBlock) {
-    const int MB = static_cast<int>(std::min<int64_t>(kRowBlock, M - m));
-    const typename Way::X* xb = x + m * K;
-    const Vec* s = sums + kTileN * m;
-    T* yb = y + m * N;
-    switch (MB) {
-      case 1: finish<Way, 1>(xb, w, bias, yb, K, N, n, TN, s); break;
-      case 2: finish<Way, 2>(xb, w, bias, yb, K, N, n, TN, s); break;
-      case 3: finish<Way, 3>(xb, w, bias, yb, K, N, n, TN, s); break;
-      case 4: finish<Way, 4>(xb, w, bias, yb, K, N, n, TN, s); break;
-      case 5: finish<Way, 5>(xb, w, bias, yb, K, N, n, TN, s); break;
-      case 6: finish<Way, 6>(xb, w, bias, yb, K, N, n, TN, s); break;
-      case 7: finish<Way, 7>(xb, w, bias, yb, K, N, n, TN, s); break;
-      default: finish<Way, kRowBlock>(xb, w, bias, yb, K, N, n, TN, s); break;
-    }
-  }
+  if (k1 == K) finish<Way>(x, w, bias, y, M, K, N, n, TN, sums);
 }
 
 // Where x's rows are too long for L1 beside the weight rows (8 rows of 2,048 fp32 inputs are 64

@@ -97,6 +97,28 @@ def test_a_nan_stays_in_its_own_row(dtype):
     assert got[1].isnan().all() and not got[[0, 2, 3]].isnan().any()
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_whole_tiles_round_as_the_last_tile_and_as_torch(dtype, rows):
+    # 16 weight rows of 96 inputs (no tail) are finished 16 lanes at a time, a last tile of 15 one
+    # output at a time: the same bits, and torch's rounding of the exact sums, ties to even
+    x = torch.zeros(rows, 96, dtype=dtype)
+    x[:, :2] = 1.0
+    weight = torch.zeros(16, 96, dtype=dtype)
+    weight[:, 0] = 256.0
+    weight[:, 1] = torch.arange(16, dtype=dtype) * 2 + 1  # sums 257, 259, ...: halfway between bf16s
+    weight[3, 7] = float("inf")
+    weight[4, 0] = float("nan")
+    bias = torch.arange(16, dtype=dtype) * 2  # sums 257, 261, ..., 317 with it: still ties
+    whole = host_matmul.thin_linear(x, weight, bias)
+    last = host_matmul.thin_linear(x, weight[:15].contiguous(), bias[:15].contiguous())
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(whole[:, :15].contiguous().view(bits), last.view(bits))  # NaN's bits too
+    exact = (x.double() @ weight.double().t() + bias.double()).to(dtype)  # inf * 0 is NaN: both sides
+    assert torch.equal(whole.isnan(), exact.isnan())
+    assert torch.equal(whole.nan_to_num(), exact.nan_to_num())
+
 def _amx_usable() -> bool:
     """The CPU lists AMX-BF16 and Linux grants this process the tile state (asked here directly,
     not through the kernel under test: x86-64's arch_prctl, ARCH_REQ_XCOMP_PERM, XTILEDATA)."""
