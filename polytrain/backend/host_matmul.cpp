@@ -168,7 +168,8 @@ void finish(const typename Way::X* x, const T* w, const T* bias, T* y, int64_t M
 // at 0.6-0.8x the rate of one at a time with 1-4 rows of x, on a 2-core Zen 4 EPYC whose memory
 // gives ~28 GB/s to one row at a time. From kSideBySideFrom rows, when the arithmetic bounds
 // the loop, two side by side: each x vector loaded serves both, 1.1-1.5x with 8 rows (and the
-// software prefetch that slows the one-row walk by 10-25% speeds this one up by 1.2-1.5x).
+// software prefetch that slows the one-row walk by up to a quarter speeds this one up 1.2-1.4x;
+// RESULTS.md, "Weight rows one after another ...").
 // `sums` holds the tile's partial sums, block after block (kTileN x MB each: kTileN x M in all);
 // at K they are finished into y.
 template <typename T, typename Way>

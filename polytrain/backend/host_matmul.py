@@ -11,7 +11,7 @@ rows of x it reads one weight row after another, front to back, which the memory
 on a 2-core Zen 4 EPYC two rows walked side by side read at 0.6-0.8x the rate of one. From 8
 rows the arithmetic bounds the loop, and two rows are walked side by side so that each x
 vector loaded serves both, the next two prefetched. On that EPYC it reads llama 125m's weights
-at 24-26 GB/s with 1 row (fp32 and bf16; F.linear 11-13) and 12-16 GB/s with 8
+at 19-32 GB/s with 1 row (fp32 and bf16; F.linear 11-17) and 13-20 GB/s with 8 (F.linear 7-15)
 (`benchmarks/threaded_matmul.py`, RESULTS.md). Sums are fp32, one rounding at the end, as
 F.linear's bf16 result is rounded. bf16 weights are widened to fp32 in registers; where the
 CPU has AVX512-BF16 (Zen 4, Cooper Lake and later Xeons) VDPBF16PS multiplies pairs of bf16

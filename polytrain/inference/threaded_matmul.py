@@ -6,8 +6,8 @@ on the host CPU torch's BLAS handles such thin products badly in two ways:
 - at 2-8 rows it runs a GEMM that packs each weight panel before using it, reading llama
   125m's weights at 7-13 GB/s where the memory gives 25 (fp32, a 2-core Xeon). Up to
   STREAM_ROWS rows `threaded_linears` sends them to `backend.host_matmul.thin_linear`, which
-  streams each weight once for all rows (on a 2-core Zen 4 EPYC 24-26 GB/s at one row, 12-16
-  at 8, where F.linear reads 10-13 and 5-10). Where that kernel runs bf16 on AMX's tile unit
+  streams each weight once for all rows (on a 2-core Zen 4 EPYC 19-32 GB/s at one row, 13-20
+  at 8, where F.linear reads 11-17 and 7-15). Where that kernel runs bf16 on AMX's tile unit
   (`host_matmul.uses_amx()`), bf16 products of up to 48 rows, and prefills of up to 48 rows,
   go to it too: F.linear's bf16 GEMM reads the weights at 6-17 GB/s at 8-48 rows there, the
   kernel at 1.04-2.0x that. Its sums round as F.linear's do but in another order: outputs
