@@ -195,8 +195,8 @@ void tile(const typename Way::X* x, const T* w, const T* bias, T* y, int64_t M, 
 
 // Where x's rows are too long for L1 beside the weight rows (8 rows of 2,048 fp32 inputs are 64
 // KiB), a group of tiles runs over one block of inputs at a time (block_k: kXBytes of x's rows),
-// the partial sums kept between blocks: the same additions in the same order, so the bits do not depend on the
-// blocking, the row count or the threads.
+// the partial sums kept between blocks: the same additions in the same order, so the bits do
+// not depend on the blocking, the row count or the threads.
 template <typename T, typename Way>
 void thin_linear_kernel(const typename Way::X* x, const T* w, const T* bias, T* y, int64_t M, int64_t K,
                         int64_t N) {

@@ -33,6 +33,8 @@
 #include <cstring>
 #include <vector>
 
+#include "host_vectors.h"
+
 namespace amx {
 
 using BF16 = c10::BFloat16;
@@ -136,7 +138,7 @@ void block(const BF16* w, int64_t stride, int64_t K, const Pass& pass, float* su
 }
 
 // y[m][n + r] = bf16(sums[r][m] + bias[n + r]) for the block's `live` weight rows r: a column of
-// sums per row of y, gathered 16 at a time, rounded to nearest even as c10::BFloat16 rounds (NaN to 0x7FC0).
+// sums per row of y, gathered 16 at a time, rounded as c10::BFloat16 rounds (host_vectors.h).
 inline void write(const float* sums, int64_t live, int64_t M, const BF16* bias, BF16* y, int64_t N, int64_t n) {
   const __mmask16 lanes = static_cast<__mmask16>((1u << live) - 1);
   const __m512i column = _mm512_mullo_epi32(
@@ -146,11 +148,8 @@ inline void write(const float* sums, int64_t live, int64_t M, const BF16* bias, 
     b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, bias + n)), 16));
   for (int64_t m = 0; m < M; ++m) {
     const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, sums + m, sizeof(float)), b);
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i high = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-    high = _mm512_mask_mov_epi32(high, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    _mm512_mask_cvtepi32_storeu_epi16(y + m * N + n, lanes, high);
+    const host_vectors::Half half = host_vectors::round_to_bf16(reinterpret_cast<const host_vectors::Vec&>(v));
+    _mm256_mask_storeu_epi16(y + m * N + n, lanes, reinterpret_cast<const __m256i&>(half));
   }
 }
 

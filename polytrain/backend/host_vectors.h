@@ -46,15 +46,16 @@ inline Vec load(const c10::BFloat16* p) {
 
 inline void store(Vec v, float* p) { *reinterpret_cast<Vec*>(p) = v; }
 
-// kLanes fp32 values rounded to bf16 as c10::BFloat16 rounds them: to nearest, ties to even, NaN
-// to 0x7FC0.
-inline void store(Vec v, c10::BFloat16* p) {
+// kLanes fp32 values rounded to bf16 bits as c10::BFloat16 rounds them: to nearest, ties to even,
+// NaN to 0x7FC0.
+inline Half round_to_bf16(Vec v) {
   const Word bits = reinterpret_cast<const Word&>(v);
   const Word rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16;
   const Word nan = reinterpret_cast<Word>(v != v);  // all ones where v is NaN
-  const Half half = __builtin_convertvector((rounded & ~nan) | (0x7FC0 & nan), Half);
-  *reinterpret_cast<Half*>(p) = half;
+  return __builtin_convertvector((rounded & ~nan) | (0x7FC0 & nan), Half);
 }
+
+inline void store(Vec v, c10::BFloat16* p) { *reinterpret_cast<Half*>(p) = round_to_bf16(v); }
 
 // A vector's lane sum, by halving: lanes i and i + L/2 are added, then again on the half. Every
 // vector gets the same additions, so a sum's bits do not depend on what is summed beside it.
