@@ -22,8 +22,9 @@ On a CPU with AMX (Sapphire Rapids and later Xeons) bf16 products run on its til
 (host_matmul_amx.h): one instruction multiplies 16 weight rows x 32 inputs by up to 16 rows of
 x, and a weight tile serves three such tiles of x, so 8-48 rows read the weights near the
 memory's rate where the FMAs bound the loop above (llama 125m's (32000, 768) weight at 20.5 /
-21.4 GB/s with 8 / 16 rows against 15.6 / 10.0, a 2-core Sapphire Rapids Xeon). Its sums are fp32 and rounded once as
-well, but it reads bf16 inputs below 2^-126 as zero. `uses_amx()` says whether it runs here;
+21.4 GB/s with 8 / 16 rows against the FMA loop's 15.6 / 10.0 before its row order changed, a
+2-core Sapphire Rapids Xeon). Its sums are fp32 and rounded once as well, but it reads bf16
+inputs below 2^-126 as zero. `uses_amx()` says whether it runs here;
 `POLYTRAIN_HOST_AMX=0` keeps the FMA loop.
 
 Each output is the same dot product F.linear computes, summed in another order: it differs
