@@ -6,10 +6,9 @@
 // before multiplying it, and at 2-16 rows that packing is most of the work: it reads llama
 // 125m's weights at 7-13 GB/s where the memory gives 25. Here each thread walks its own
 // contiguous block of the weight's rows with the rows of x in L1, and each weight element is
-// loaded once and used for all M rows of x. Below kSideBySideFrom rows of x a thread reads one
-// weight row after another, front to back, as the memory serves best; from there the
-// arithmetic bounds the loop and two rows are walked side by side, each x vector loaded serving
-// both, the next two rows prefetched. Where x's rows are too long for L1 beside the weight rows,
+// loaded once and used for all M rows of x. Two weight rows are walked side by side, each x
+// vector loaded serving both, while the rows two pairs ahead are prefetched into L2: the
+// memory then streams while the core multiplies. Where x's rows are too long for L1 beside the weight rows,
 // a group of tiles runs over one block of inputs at a time, each tile's partial sums kept in a
 // buffer between blocks: the same additions in the same order, so the bits do not depend on
 // the blocking, the row count or the threads.
@@ -53,7 +52,6 @@ constexpr int kRowBlock = 4;  // 16 registers
 #endif
 constexpr int kTileN = 16;            // weight rows whose sums are finished together (sum_lanes: 16 at once)
 constexpr int64_t kGrainTiles = 2;    // tiles per thread at least: tiny weights stay on one thread
-constexpr int kSideBySideFrom = 8;   // rows of x from which two weight rows are walked side by side
 constexpr int64_t kXBytes = 32 * 1024;  // of x's rows per pass over a block of inputs: L1 beside the weight rows
 constexpr int64_t kGroupTiles = 8;    // tiles per group: their partial sums (kTileN x M vectors each) stay in L2
 
@@ -105,7 +103,9 @@ void rows_pass(const typename Way::X* x, const T* rows, int64_t K, int64_t k0, i
     typename Way::Weights w[P];
 #pragma GCC unroll 16
     for (int p = 0; p < P; ++p) {
-      if constexpr (P > 1) __builtin_prefetch(rows + (P + p) * K + k);  // the next P rows; past the end: a no-op
+      // The rows two passes ahead (past the end: a no-op) into L2, not L1 (locality 2: prefetcht1),
+      // where they would evict x's rows.
+      if constexpr (P > 1) __builtin_prefetch(rows + (2 * P + p) * K + k, 0, 2);
       w[p] = Way::load_weights(rows + p * K + k);
     }
 #pragma GCC unroll 16
@@ -163,13 +163,11 @@ void finish(const typename Way::X* x, const T* w, const T* bias, T* y, int64_t M
 }
 
 // One tile: weight rows n .. n+TN-1 over inputs k0 .. k1-1 against every block of kRowBlock rows
-// of x. With few rows of x, one weight row after another, each read from memory front to back
-// and serving all blocks from L1: two rows walked side by side read llama 125m's bf16 weights
-// at 0.6-0.8x the rate of one at a time with 1-4 rows of x, on a 2-core Zen 4 EPYC whose memory
-// gives ~28 GB/s to one row at a time. From kSideBySideFrom rows, when the arithmetic bounds
-// the loop, two side by side: each x vector loaded serves both, 1.1-1.5x with 8 rows (and the
-// software prefetch that slows the one-row walk by up to a quarter speeds this one up 1.2-1.4x;
-// RESULTS.md, "Weight rows one after another ...").
+// of x, two weight rows at a time (one where TN is odd: the last tile's last row). What the
+// memory gives hinges on the prefetch: into L1 it evicted x's rows and a single row read front to
+// back beat two side by side; into L2, two passes ahead, two side by side read llama 125m's
+// weights 1.0-1.3x faster than one row at a time at 1-2 rows of x, 1.4-1.8x at 4 and 8 (bf16 and
+// fp32, a 2-core Zen 4 EPYC; RESULTS.md, "Weight rows prefetched into L2 ...").
 // `sums` holds the tile's partial sums, block after block (kTileN x MB each: kTileN x M in all);
 // at K they are finished into y.
 template <typename T, typename Way>
@@ -177,7 +175,7 @@ void tile(const typename Way::X* x, const T* w, const T* bias, T* y, int64_t M, 
           int64_t n, int64_t k0, int64_t k1, Vec* sums) {
   const int64_t TN = std::min<int64_t>(kTileN, N - n);
   const int64_t pass_end = std::min(k1, K / Way::kStep * Way::kStep);
-  const int P = M >= kSideBySideFrom && TN % 2 == 0 ? 2 : 1;
+  const int P = TN % 2 == 0 ? 2 : 1;
   for (int64_t j = 0; j < TN; j += P) {
     const T* rows = w + (n + j) * K;
     for (int64_t m = 0; m < M; m += kRowBlock) {

@@ -32,7 +32,7 @@ def operands(rows: int, out_features: int, in_features: int, with_bias: bool, se
 
 
 # 770 inputs leave a tail after the vector lanes; 513 outputs leave a row after tiles of 16, 131
-# three (odd: one row at a time from 8 rows of x too), 40 eight (two side by side from 8 rows);
+# three (odd: the last row walked alone), 40 eight (walked two side by side);
 # 2,500 inputs run in blocks of 1,024 with 8 or more rows, partial sums carried between them
 @pytest.mark.parametrize("out_features,in_features", [(513, 770), (96, 64), (1, 16), (40, 3), (131, 2500)])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16])
