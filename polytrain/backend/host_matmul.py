@@ -6,13 +6,11 @@ torch's CPU BLAS runs such a product as a GEMM that first packs a panel of the w
 buffer, and at a few rows packing is most of the work: on this project's 2-core Xeon F.linear
 reads llama 125m's weights at 7-13 GB/s with 8 rows, where one row (a GEMV, which streams the
 weight) reads them at 21-27 GB/s. host_matmul.cpp streams the weight for every row count:
-each thread walks its own block of weight rows against every row of x (held in L1). Below 8
-rows of x it reads one weight row after another, front to back, which the memory serves best:
-on a 2-core Zen 4 EPYC two rows walked side by side read at 0.6-0.8x the rate of one. From 8
-rows the arithmetic bounds the loop, and two rows are walked side by side so that each x
-vector loaded serves both, the next two prefetched. On that EPYC it reads llama 125m's weights
-at 19-32 GB/s with 1 row (fp32 and bf16; F.linear 11-17) and 13-20 GB/s with 8 (F.linear 7-15)
-(`benchmarks/threaded_matmul.py`, RESULTS.md). Sums are fp32, one rounding at the end, as
+each thread walks its own block of weight rows against every row of x (held in L1), two
+weight rows side by side so that each x vector loaded serves both, while the rows two passes
+ahead are prefetched into L2 (into L1 they evicted x). On a 2-core Zen 4 EPYC it reads llama
+125m's weights at 19-29 GB/s with 1 row (fp32 and bf16; F.linear 7-15) and 15-28 GB/s with 8
+(F.linear 5-12) (`benchmarks/threaded_matmul.py`, RESULTS.md). Sums are fp32, one rounding at the end, as
 F.linear's bf16 result is rounded. bf16 weights are widened to fp32 in registers; where the
 CPU has AVX512-BF16 (Zen 4, Cooper Lake and later Xeons) VDPBF16PS multiplies pairs of bf16
 inputs and adds them to fp32 instead, 32 inputs an instruction, reading bf16 inputs below
