@@ -52,7 +52,7 @@ def generate(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, *,
     same either way; sampled ones come from the same distributions in another order.
 
     threaded_matmul: decoding's few-row products with host-resident Linear weights go through
-    polytrain's host kernel (1-8 rows, 1-48 in bf16 where it runs on AMX: each weight read once
+    polytrain's host kernel (1-16 rows, 1-48 in bf16 where it runs on AMX: each weight read once
     for all rows; sums rounded in another order than F.linear's, so a greedy token can change only
     where two logits tie within fp32 rounding) or, where the kernel cannot be built, one fp32 row
     is split over torch's threads where that measured faster (bitwise F.linear's products); a bf16

@@ -3,11 +3,11 @@
 A decoding step multiplies a few rows (batch x 1 token) by every weight of the model, and
 on the host CPU torch's BLAS handles such thin products badly in two ways:
 
-- at 2-8 rows it runs a GEMM that packs each weight panel before using it, reading llama
+- at 2-16 rows it runs a GEMM that packs each weight panel before using it, reading llama
   125m's weights at 7-13 GB/s where the memory gives 25 (fp32, a 2-core Xeon). Up to
   STREAM_ROWS rows `threaded_linears` sends them to `backend.host_matmul.thin_linear`, which
-  streams each weight once for all rows (on a 2-core Zen 4 EPYC 19-32 GB/s at one row, 13-20
-  at 8, where F.linear reads 11-17 and 7-15). Where that kernel runs bf16 on AMX's tile unit
+  streams each weight once for all rows (on a 2-core Zen 4 EPYC 19-29 GB/s at one row, 15-28
+  at 8 and 11-18 at 16, where F.linear reads 7-15, 5-12 and 4-10). Where that kernel runs bf16 on AMX's tile unit
   (`host_matmul.uses_amx()`), bf16 products of up to 48 rows, and prefills of up to 48 rows,
   go to it too: F.linear's bf16 GEMM reads the weights at 6-17 GB/s at 8-48 rows there, the
   kernel at 1.04-2.0x that. Its sums round as F.linear's do but in another order: outputs
@@ -50,9 +50,12 @@ from polytrain.backend import host_gemm, host_matmul
 
 MARGIN = 0.9
 """The split replaces F.linear only if it takes at most this fraction of F.linear's time."""
-STREAM_ROWS = 8
-"""The most rows streamed through the host kernel: from 16 rows its FMAs, not the memory, bound
-it, and on a 2-core Xeon it ran no faster than the BLAS's GEMM (benchmarks/threaded_matmul.py)."""
+STREAM_ROWS = 16
+"""The most rows streamed through the host kernel. At 16 rows it read llama 125m's weights at
+1.1-3.0x F.linear's rate on a 2-core Zen 4 EPYC (bf16 and fp32), and at 0.97-1.11x (fp32) and
+2.4-2.5x (bf16, emulated by the BLAS) on a 2-core Ice Lake Xeon before its prefetch into L2; at
+32 rows its FMAs bind it and it is 0.98-2.1x F.linear's on the EPYC, so more rows go to the BLAS
+(benchmarks/threaded_matmul.py, RESULTS.md)."""
 STREAM_DTYPES = (torch.float32, torch.bfloat16)
 AMX_STREAM_ROWS = 48
 """The most bf16 rows streamed where the host kernel runs them on AMX's tile unit, which reads each

@@ -207,8 +207,8 @@ def test_which_row_counts_and_dtypes_stream(kernel, monkeypatch, amx):
     monkeypatch.setattr(threaded_matmul.host_matmul, "uses_amx", lambda: amx)  # either way computes right
     model = llama()
     bf16_rows = threaded_matmul.AMX_STREAM_ROWS if amx else threaded_matmul.STREAM_ROWS
-    for rows, dtype, streams in [(1, torch.float32, True), (2, torch.float32, True), (8, torch.float32, True),
-                                 (9, torch.float32, False), (1, torch.bfloat16, True), (8, torch.bfloat16, True),
+    for rows, dtype, streams in [(1, torch.float32, True), (2, torch.float32, True), (16, torch.float32, True),
+                                 (17, torch.float32, False), (1, torch.bfloat16, True), (8, torch.bfloat16, True),
                                  (bf16_rows, torch.bfloat16, True), (bf16_rows + 1, torch.bfloat16, False),
                                  (4, torch.float16, False)]:
         model.to(dtype)
