@@ -2,7 +2,7 @@
 
     python benchmarks/host_kernel_versions.py --base HEAD~1                  # bf16, rows 1,2,4,8,16
     python benchmarks/host_kernel_versions.py --base f06995f~1 --dtype fp32
-    python benchmarks/host_kernel_versions.py --rounds 1 --megabytes 16 --rows 1   # a quick check it runs
+    python benchmarks/host_kernel_versions.py --base HEAD --rounds 1 --megabytes 4 --rows 1,3   # a check it runs
 
 A kernel change is worth 10-30% where the machine's own speed moves 10-20% between processes,
 so two builds are compared inside one: polytrain/backend/host_matmul.cpp and its headers as

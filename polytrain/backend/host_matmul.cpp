@@ -8,10 +8,10 @@
 // contiguous block of the weight's rows with the rows of x in L1, and each weight element is
 // loaded once and used for all M rows of x. Two weight rows are walked side by side, each x
 // vector loaded serving both, while the rows two pairs ahead are prefetched into L2: the
-// memory then streams while the core multiplies. Where x's rows are too long for L1 beside the weight rows,
-// a group of tiles runs over one block of inputs at a time, each tile's partial sums kept in a
-// buffer between blocks: the same additions in the same order, so the bits do not depend on
-// the blocking, the row count or the threads.
+// memory then streams while the core multiplies. Where x's rows are too long for L1 beside the
+// weight rows, a group of tiles runs over one block of inputs at a time, each tile's partial
+// sums kept in a buffer between blocks: the same additions in the same order, so the bits do
+// not depend on the blocking, the row count or the threads.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
