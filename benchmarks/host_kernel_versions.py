@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import statistics
 import subprocess
 import tempfile
@@ -58,9 +57,8 @@ def build(name: str, texts: dict[Path, str], directory: Path):
             text = text.replace("TORCH_LIBRARY_IMPL(polytrain,", f"TORCH_LIBRARY_IMPL({name},")
             assert f"({name}," in text, "host_matmul.cpp no longer registers its operators as this script expects"
         (directory / path.name).write_text(text)
-    arch = "-march=native" if platform.machine() in ("x86_64", "AMD64", "i686") else "-mcpu=native"
     cpp_extension.load(name=name, sources=[str(directory / SOURCE_FILES[0].name)], build_directory=str(directory),
-                       extra_cflags=["-O3", arch, "-fopenmp"], is_python_module=False, verbose=False)
+                       extra_cflags=host_matmul.compile_flags(), is_python_module=False, verbose=False)
     return getattr(torch.ops, name).thin_linear
 
 

@@ -104,7 +104,7 @@ void rows_pass(const typename Way::X* x, const T* rows, int64_t K, int64_t k0, i
 #pragma GCC unroll 16
     for (int p = 0; p < P; ++p) {
       // The rows two passes ahead (past the end: a no-op) into L2, not L1 (locality 2: prefetcht1),
-      // where they would evict x's rows.
+      // where they would compete with x's rows.
       if constexpr (P > 1) __builtin_prefetch(rows + (2 * P + p) * K + k, 0, 2);
       w[p] = Way::load_weights(rows + p * K + k);
     }
@@ -163,12 +163,12 @@ void finish(const typename Way::X* x, const T* w, const T* bias, T* y, int64_t M
 }
 
 // One tile: weight rows n .. n+TN-1 over inputs k0 .. k1-1 against every block of kRowBlock rows
-// of x, two weight rows at a time (one where TN is odd: the last tile's last row). What the
-// memory gives hinges on the prefetch: into L1 it evicted x's rows and a single row read front to
-// back beat two side by side; into L2, two passes ahead, two side by side read llama 125m's
-// weights 1.0-1.3x faster than one row at a time at 1-2 rows of x and 1.4-1.8x at 4, and 1.1-1.6x
-// faster at 8 than with the prefetch into L1 (bf16 and fp32, a 2-core Zen 4 EPYC; RESULTS.md,
-// "Weight rows prefetched into L2 ...").
+// of x, two weight rows at a time (one at a time in a tile of odd TN: only the last can be).
+// What the memory gives hinges on the prefetch: into L1 it competed with x's rows and a single
+// row read front to back beat two side by side; into L2, two passes ahead, two side by side read
+// llama 125m's weights 1.0-1.3x faster than one row at a time at 1-2 rows of x and 1.4-1.8x at
+// 4, and 1.1-1.6x faster at 8 than with the prefetch into L1 (bf16 and fp32, a 2-core Zen 4
+// EPYC; RESULTS.md, "Weight rows prefetched into L2 ...").
 // `sums` holds the tile's partial sums, block after block (kTileN x MB each: kTileN x M in all);
 // at K they are finished into y.
 template <typename T, typename Way>

@@ -5,16 +5,16 @@ rows (2-8 at batch 2-8) times each weight, and its time is the time to read the 
 torch's CPU BLAS runs such a product as a GEMM that first packs a panel of the weight into a
 buffer, and at a few rows packing is most of the work: on this project's 2-core Xeon F.linear
 reads llama 125m's weights at 7-13 GB/s with 8 rows, where one row (a GEMV, which streams the
-weight) reads them at 21-27 GB/s. host_matmul.cpp streams the weight for every row count:
-each thread walks its own block of weight rows against every row of x (held in L1), two
-weight rows side by side so that each x vector loaded serves both, while the rows two passes
-ahead are prefetched into L2 (into L1 they evicted x). On a 2-core Zen 4 EPYC it reads llama
-125m's weights at 19-29 GB/s with 1 row (fp32 and bf16; F.linear 7-15) and 15-28 GB/s with 8
-(F.linear 5-12) (`benchmarks/threaded_matmul.py`, RESULTS.md). Sums are fp32, one rounding at the end, as
-F.linear's bf16 result is rounded. bf16 weights are widened to fp32 in registers; where the
-CPU has AVX512-BF16 (Zen 4, Cooper Lake and later Xeons) VDPBF16PS multiplies pairs of bf16
-inputs and adds them to fp32 instead, 32 inputs an instruction, reading bf16 inputs below
-2^-126 as zero.
+weight) reads them at 21-27 GB/s. host_matmul.cpp streams the weight for every row count: each
+thread walks its own block of weight rows against every row of x (held in L1), two weight rows
+side by side so that each x vector loaded serves both, while the rows two passes ahead are
+prefetched into L2 (into L1 they competed with x). On a 2-core Zen 4 EPYC it reads llama 125m's
+weights at 19-29 GB/s with 1 row (fp32 and bf16; F.linear 7-15) and 15-28 GB/s with 8 (F.linear
+5-12) (`benchmarks/threaded_matmul.py`, RESULTS.md). Sums are fp32, one rounding at the end, as
+F.linear's bf16 result is rounded. bf16 weights are widened to fp32 in registers; where the CPU
+has AVX512-BF16 (Zen 4, Cooper Lake and later Xeons) VDPBF16PS multiplies pairs of bf16 inputs
+and adds them to fp32 instead, 32 inputs an instruction, reading bf16 inputs below 2^-126 as
+zero.
 
 On a CPU with AMX (Sapphire Rapids and later Xeons) bf16 products run on its tile unit instead
 (host_matmul_amx.h): one instruction multiplies 16 weight rows x 32 inputs by up to 16 rows of
@@ -78,6 +78,12 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def compile_flags() -> list[str]:
+    """The C++ flags the kernels are built with: this CPU's own vector instructions."""
+    arch = "-march=native" if platform.machine() in ("x86_64", "AMD64", "i686") else "-mcpu=native"
+    return ["-O3", arch, "-fopenmp"]
+
+
 def _build_dir() -> Path:
     """One directory per source, torch, Python and CPU: a shared cache never hands a kernel built
     for one machine's vector instructions to another."""
@@ -94,7 +100,6 @@ def available() -> bool:
     if os.environ.get(ENV_VAR, "1").strip() == "0":
         return False
     build = _build_dir()
-    arch = "-march=native" if platform.machine() in ("x86_64", "AMD64", "i686") else "-mcpu=native"
     try:
         from torch.utils import cpp_extension
 
@@ -103,7 +108,7 @@ def available() -> bool:
             print(f"polytrain: building the host kernels (matmul, attention) once for this machine into {build}",
                   file=sys.stderr, flush=True)
         cpp_extension.load(name="polytrain_host_matmul", sources=[str(f) for f in SOURCES], build_directory=str(build),
-                           extra_cflags=["-O3", arch, "-fopenmp"], is_python_module=False, verbose=False)
+                           extra_cflags=compile_flags(), is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, an unsupported flag, a failed build: F.linear stays
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         warnings.warn(f"polytrain: the host kernels could not be built ({reason}); decoding uses "

@@ -10,9 +10,9 @@ on the host CPU torch's BLAS handles such thin products badly in two ways:
   at 8 and 11-17 at 16, where F.linear reads 7-15, 5-12 and 4-10). Where that kernel runs
   bf16 on AMX's tile unit (`host_matmul.uses_amx()`), bf16 products of up to 48 rows, and
   prefills of up to 48 rows, go to it too: F.linear's bf16 GEMM reads the weights at 6-17 GB/s
-  at 8-48 rows there, the kernel at 1.04-2.0x that. Its sums round as F.linear's do but in another order: outputs
-  differ from F.linear's in the last bits, so a greedy token can change only where two logits
-  tie within fp32 rounding. The choice is by row count and dtype, not timed, so a run gives
+  at 8-48 rows there, the kernel at 1.04-2.0x that. Its sums round as F.linear's do but in
+  another order: outputs differ from F.linear's in the last bits, so a greedy token can change
+  only where two logits tie within fp32 rounding. The choice is by row count and dtype, not timed, so a run gives
   the same bits every time on one machine.
 - at one fp32 row it runs a GEMV, which streams the weight but, on some CPUs, on a single
   thread however many torch has: on a 2-core EPYC F.linear reads a llama 125m weight at 10-11

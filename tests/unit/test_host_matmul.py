@@ -32,7 +32,7 @@ def operands(rows: int, out_features: int, in_features: int, with_bias: bool, se
 
 
 # 770 inputs leave a tail after the vector lanes; 513 outputs leave a row after tiles of 16, 131
-# three (odd: the last row walked alone), 40 eight (walked two side by side);
+# three (a tile of odd size: its rows walked one at a time), 40 eight (walked two side by side);
 # 2,500 inputs run in blocks of 1,024 with 8 or more rows, partial sums carried between them
 @pytest.mark.parametrize("out_features,in_features", [(513, 770), (96, 64), (1, 16), (40, 3), (131, 2500)])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16])
@@ -97,7 +97,6 @@ def test_a_nan_stays_in_its_own_row(dtype):
     assert got[1].isnan().all() and not got[[0, 2, 3]].isnan().any()
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 8])
 def test_whole_tiles_round_as_the_last_tile_and_as_torch(dtype, rows):
@@ -118,6 +117,7 @@ def test_whole_tiles_round_as_the_last_tile_and_as_torch(dtype, rows):
     exact = (x.double() @ weight.double().t() + bias.double()).to(dtype)  # inf * 0 is NaN: both sides
     assert torch.equal(whole.isnan(), exact.isnan())
     assert torch.equal(whole.nan_to_num(), exact.nan_to_num())
+
 
 def _amx_usable() -> bool:
     """The CPU lists AMX-BF16 and Linux grants this process the tile state (asked here directly,
