@@ -25,6 +25,7 @@
 
 namespace {
 
+using host_vectors::exp_nonpositive;
 using host_vectors::Int;
 using host_vectors::kLanes;
 using host_vectors::load;
@@ -35,29 +36,6 @@ constexpr int kGroup = 8;  // query heads per pass over a head's keys and values
 constexpr int kChunk = 2;  // vectors of a value row summed per pass over the slots: 8 heads x 2 of the registers
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// e^x for softmax's shifted scores (x <= 0, -inf and NaN included), kLanes at a time: e^x =
-// 2^n e^r with n = round(x / ln 2) and r = x - n ln 2 in [-ln 2 / 2, ln 2 / 2] (ln 2 in two parts,
-// so r keeps its bits), e^r by its Taylor series to r^7 (relative error below 2^-24 over that
-// range). Below -87.3 e^x is under fp32's smallest normal: 0. A NaN stays NaN.
-inline Vec exp_nonpositive(Vec x) {
-  const Vec low = Vec{} - 87.3f;
-  const Vec safe = x < low ? low : x;                  // NaN compares false: kept
-  const Int n = __builtin_convertvector(safe * 1.44269504f - 0.5f, Int);  // truncation: round(x / ln 2) for x <= 0
-  const Vec nf = __builtin_convertvector(n, Vec);
-  const Vec r = (safe - nf * 0.693145751953125f) - nf * 1.42860676533018e-06f;
-  Vec p = Vec{} + 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const Int scale_bits = (n + 127) << 23;  // 2^n: n >= -126 here
-  const Vec e = p * reinterpret_cast<const Vec&>(scale_bits);
-  return x < low ? Vec{} : e;
-}
 
 // A row of scores: S padded to whole vectors.
 inline int64_t row_length(int64_t S) { return (S + kLanes - 1) / kLanes * kLanes; }

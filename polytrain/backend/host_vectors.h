@@ -1,4 +1,4 @@
-// The host kernels' fp32 vectors (host_matmul.cpp, host_attention.cpp): GCC's vector extension,
+// The host kernels' fp32 vectors (host_matmul.cpp, host_attention.cpp, host_flash_attention.cpp): GCC's vector extension,
 // as wide as the CPU the kernels are built on (-march=native), and how bf16 is widened into them.
 
 #pragma once
@@ -57,61 +57,100 @@ inline Half round_to_bf16(Vec v) {
 
 inline void store(Vec v, c10::BFloat16* p) { *reinterpret_cast<Half*>(p) = round_to_bf16(v); }
 
-// A vector's lane sum, by halving: lanes i and i + L/2 are added, then again on the half. Every
-// vector gets the same additions, so a sum's bits do not depend on what is summed beside it.
-template <int L>
-float sum_halves(const float* lanes) {
+// A vector's lanes combined by `op` (a sum, a maximum), by halving: lanes i and i + L/2 are
+// combined, then again on the half. Every vector gets the same additions, so a sum's bits do not
+// depend on what is summed beside it.
+template <int L, typename Op>
+float reduce_halves(const float* lanes, Op op) {
   if constexpr (L == 1) {
     return lanes[0];
   } else {
     float half[L / 2];
-    for (int i = 0; i < L / 2; ++i) half[i] = lanes[i] + lanes[i + L / 2];
-    return sum_halves<L / 2>(half);
+    for (int i = 0; i < L / 2; ++i) half[i] = op(lanes[i], lanes[i + L / 2]);
+    return reduce_halves<L / 2>(half, op);
   }
 }
 
-// The lane sums of C vectors into sums[0 .. C-1]. With AVX-512, 16 vectors at once by halving,
-// two vectors' halves packed in each add: the same additions as sum_halves, so a sum's bits do
-// not depend on the vectors summed beside it, at a fraction of the instructions of 16 sum_halves
-// (16 dot products ending a matmul tile, or 16 keys' scores, cost 15 shuffle pairs, not 64).
-template <int C>
-void sum_lanes(const Vec* v, float* sums) {
+struct Plus {
+  template <typename V>
+  V operator()(V a, V b) const { return a + b; }
+};
+
+struct Max {
+  template <typename V>
+  V operator()(V a, V b) const { return a > b ? a : b; }
+};
+
+// The lanes of each of C vectors combined by `op` into out[0 .. C-1]. With AVX-512, 16 vectors at
+// once by halving, two vectors' halves packed in each operation: the same additions as
+// reduce_halves, so a sum's bits do not depend on the vectors summed beside it, at a fraction of
+// the instructions of 16 reduce_halves (16 dot products ending a matmul tile, or 16 keys' scores,
+// cost 15 shuffle pairs, not 64).
+template <int C, typename Op>
+void reduce_lanes(const Vec* v, float* out, Op op) {
 #if defined(__AVX512F__)
   for (int first = 0; first < C; first += 16) {
     Vec level[16];
     for (int i = 0; i < 16; ++i) level[i] = first + i < C ? v[first + i] : Vec{};
-    // 16 vectors -> 8: lanes 0-7 of the i-th hold vector 2i's halves added, lanes 8-15 vector 2i+1's
+    // 16 vectors -> 8: lanes 0-7 of the i-th hold vector 2i's halves combined, lanes 8-15 vector 2i+1's
     for (int i = 0; i < 8; ++i)
-      level[i] = __builtin_shufflevector(level[2 * i], level[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
-                                         20, 21, 22, 23) +
-                 __builtin_shufflevector(level[2 * i], level[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
-                                         27, 28, 29, 30, 31);
-    // 8 -> 4: four vectors' 4 partial sums each
+      level[i] = op(__builtin_shufflevector(level[2 * i], level[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                            19, 20, 21, 22, 23),
+                    __builtin_shufflevector(level[2 * i], level[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
+                                            27, 28, 29, 30, 31));
+    // 8 -> 4: four vectors' 4 partial results each
     for (int i = 0; i < 4; ++i)
-      level[i] = __builtin_shufflevector(level[2 * i], level[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19,
-                                         24, 25, 26, 27) +
-                 __builtin_shufflevector(level[2 * i], level[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23,
-                                         28, 29, 30, 31);
-    // 4 -> 2: eight vectors' 2 partial sums each
+      level[i] = op(__builtin_shufflevector(level[2 * i], level[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
+                                            19, 24, 25, 26, 27),
+                    __builtin_shufflevector(level[2 * i], level[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22,
+                                            23, 28, 29, 30, 31));
+    // 4 -> 2: eight vectors' 2 partial results each
     for (int i = 0; i < 2; ++i)
-      level[i] = __builtin_shufflevector(level[2 * i], level[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21,
-                                         24, 25, 28, 29) +
-                 __builtin_shufflevector(level[2 * i], level[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23,
-                                         26, 27, 30, 31);
-    // 2 -> 1: lane i is vector first + i's sum
-    const Vec total = __builtin_shufflevector(level[0], level[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24,
-                                              26, 28, 30) +
-                      __builtin_shufflevector(level[0], level[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25,
-                                              27, 29, 31);
-    for (int i = 0; i < 16 && first + i < C; ++i) sums[first + i] = total[i];
+      level[i] = op(__builtin_shufflevector(level[2 * i], level[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
+                                            21, 24, 25, 28, 29),
+                    __builtin_shufflevector(level[2 * i], level[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22,
+                                            23, 26, 27, 30, 31));
+    // 2 -> 1: lane i is vector first + i's result
+    const Vec total = op(__builtin_shufflevector(level[0], level[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22,
+                                                 24, 26, 28, 30),
+                         __builtin_shufflevector(level[0], level[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25,
+                                                 27, 29, 31));
+    for (int i = 0; i < 16 && first + i < C; ++i) out[first + i] = total[i];
   }
 #else
   for (int i = 0; i < C; ++i) {
     float lanes[kLanes];
     std::memcpy(lanes, &v[i], sizeof(Vec));
-    sums[i] = sum_halves<kLanes>(lanes);
+    out[i] = reduce_halves<kLanes>(lanes, op);
   }
 #endif
+}
+
+// The lane sums of C vectors into sums[0 .. C-1] (reduce_lanes' additions).
+template <int C>
+void sum_lanes(const Vec* v, float* sums) { reduce_lanes<C>(v, sums, Plus{}); }
+
+// e^x for softmax's shifted scores (x <= 0, -inf and NaN included), kLanes at a time: e^x =
+// 2^n e^r with n = round(x / ln 2) and r = x - n ln 2 in [-ln 2 / 2, ln 2 / 2] (ln 2 in two parts,
+// so r keeps its bits), e^r by its Taylor series to r^7 (relative error below 2^-24 over that
+// range). Below -87.3 e^x is under fp32's smallest normal: 0. A NaN stays NaN.
+inline Vec exp_nonpositive(Vec x) {
+  const Vec low = Vec{} - 87.3f;
+  const Vec safe = x < low ? low : x;                  // NaN compares false: kept
+  const Int n = __builtin_convertvector(safe * 1.44269504f - 0.5f, Int);  // truncation: round(x / ln 2) for x <= 0
+  const Vec nf = __builtin_convertvector(n, Vec);
+  const Vec r = (safe - nf * 0.693145751953125f) - nf * 1.42860676533018e-06f;
+  Vec p = Vec{} + 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const Int scale_bits = (n + 127) << 23;  // 2^n: n >= -126 here
+  const Vec e = p * reinterpret_cast<const Vec&>(scale_bits);
+  return x < low ? Vec{} : e;
 }
 
 }  // namespace host_vectors

@@ -200,6 +200,15 @@ class TrainConfig:
     wide heads and long ones. auto = on for a CPU run where the CPU emulates train.precision's GEMMs, or
     whose heads are at most 32 wide at data.seq_len <= 512 (not under context parallelism); true =
     always; false = never (benchmarks/attention_precision.py measures a shape)."""
+    host_attention: str = _choices("auto", "true", "false")
+    """Run each block's attention core, forward and backward, on polytrain's flash kernel for the host
+    CPU (fp32 sums, grouped heads read in place) where the core has no mask (causal or full attention)
+    and no attention dropout; other calls keep SDPA. On one Zen 4 core at up to 512 tokens: 1.6-2.0x
+    torch's fp32 SDPA, 1.5-2.5x its bf16 one. auto = on for CPU runs in fp32, in bf16 where the CPU
+    emulates bf16 GEMMs, and at data.seq_len <= 512 where it has bf16 instructions (torch's bf16 SDPA
+    is as fast from 1,024 tokens there); never under context parallelism or on other devices; true =
+    on wherever it can run (an error where it cannot); false = never
+    (benchmarks/host_flash_attention.py times your heads)."""
     matmul_fp32: str = _choices("auto", "true", "false")
     """bf16/fp16: run the Linear layers' and the chunked loss's products as fp32 GEMMs on the 16-bit
     operands widened, their results rounded back to 16 bits (states, activations and gradients stay

@@ -9,7 +9,8 @@ The order, on the meta device until the last step (so no rank ever holds the who
 unless its layout keeps it whole):
 
     build (registry) -> chunked loss head -> pipeline split -> LoRA adapters -> context
-    parallel -> tensor/sequence parallel -> compiled blocks -> activation checkpointing ->
+    parallel -> tensor/sequence parallel -> fp32 attention / host attention kernel / fp32 matmuls
+    -> compiled blocks -> activation checkpointing ->
     data parallel / ZeRO -> real weights (seeded by name)
     [-> tied copies, autocast and the runner, for pipelines]
 
@@ -45,6 +46,8 @@ from polytrain.models import ARCHITECTURES
 from polytrain.models.common.attention import Attention
 from polytrain.train.attention_fp32 import attention_in_fp32, wanted
 from polytrain.train.compiled import CompileTimer, compile_blocks, compiled_backend
+from polytrain.train.host_attention import attention_on_kernel, why_not
+from polytrain.train.host_attention import wanted as wants_host_attention
 from polytrain.train.loss import (
     ContextParallelLoss,
     ModelLoss,
@@ -106,6 +109,8 @@ class BuiltModel:
     """Whether its attention cores run in fp32 inside 16-bit training (train.attention_fp32)."""
     fp32_matmuls: bool = False
     """Whether its Linear layers' and loss head's products run as fp32 GEMMs (train.matmul_fp32)."""
+    host_attention: bool = False
+    """Whether its attention cores run on the host CPU's flash kernel (train.host_attention)."""
 
 
 def fp32_attention(cfg: Config, model: nn.Module, device: torch.device, cp: ContextParallel | None) -> bool:
@@ -114,6 +119,19 @@ def fp32_attention(cfg: Config, model: nn.Module, device: torch.device, cp: Cont
     head_dims = {m.head_dim for m in model.modules() if isinstance(m, Attention)}
     return cp is None and wanted(cfg.train.attention_fp32, AUTOCAST[cfg.train.precision], device.type, head_dims,
                                  cfg.data.seq_len)
+
+
+def host_attention(cfg: Config, model: nn.Module, device: torch.device, cp: ContextParallel | None) -> bool:
+    """Whether `cfg.train.host_attention` runs `model`'s attention cores on the host CPU's flash kernel
+    on `device`: never under context parallelism, whose cores exchange k and v themselves."""
+    setting, dtype = cfg.train.host_attention, AUTOCAST[cfg.train.precision]
+    head_dims = {m.head_dim for m in model.modules() if isinstance(m, Attention)}
+    if setting == "true":
+        reason = "parallel.cp > 1 attends across ranks" if cp is not None and cfg.parallel.cp > 1 else (
+            why_not(dtype, device.type, head_dims))
+        if reason:
+            raise ConfigError(f"train.host_attention = true cannot run here: {reason}; use auto or false")
+    return cp is None and wants_host_attention(setting, dtype, device.type, head_dims, cfg.data.seq_len)
 
 
 def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = None,
@@ -145,6 +163,7 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
     cp = ContextParallel(runtime.cp) if runtime.cp.size > 1 or cfg.data.packed_documents else None
     tp_ctx, compiled = None, 0
     use_fp32_attention = fp32_attention(cfg, model, runtime.device, cp)
+    use_host_attention = host_attention(cfg, model, runtime.device, cp)
     use_fp32_matmuls = wants_fp32_matmuls(cfg.train.matmul_fp32, AUTOCAST[cfg.train.precision],
                                          runtime.device.type)
     for stage in stages.values():
@@ -153,6 +172,8 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
         tp_ctx = parallelize_model(stage, plan, runtime)  # the same context kind on every stage
         if use_fp32_attention:
             attention_in_fp32(stage)  # compiled and recomputed with the casts
+        if use_host_attention:
+            attention_on_kernel(stage)  # in front of the (fp32) core, which keeps the calls it cannot take
         if use_fp32_matmuls:
             linears_in_fp32(stage)  # after tp (its sharded layers keep their own products), before compile
         compiled += compile_blocks(stage) if cfg.train.compile else 0  # tp inside, recomputation around
@@ -187,7 +208,7 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
     else:
         loss = ContextParallelLoss(ModelLoss(sharded_logits_loss(logits_loss, cp), head), cp, eot_id)
     return BuiltModel(model, dp, loss, runner, tp_ctx, cp, num_params, flops, adapters, timer, use_fp32_attention,
-                      use_fp32_matmuls)
+                      use_fp32_matmuls, use_host_attention)
 
 
 def place_model(runtime: Runtime, module: nn.Module, cfg: Config, seed: int) -> BuiltModel:

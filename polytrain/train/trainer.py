@@ -85,6 +85,7 @@ class Trainer:
         self.num_adapter_params = built.num_adapter_params
         self.fp32_attention = built.fp32_attention
         self.fp32_matmuls = built.fp32_matmuls
+        self.host_attention = built.host_attention
         # Adapters-only checkpoints name where their frozen base comes from (set again on loading).
         lo = cfg.lora
         self.base = f"init:{cfg.run.seed}" if lo.rank and lo.only_optimize else None
@@ -431,7 +432,8 @@ class Trainer:
                 + (f"; ramped up from {t.batch_rampup_start} by {t.batch_rampup_increment} over "
                    f"{t.batch_rampup_samples} samples" if self.batch_schedule.ramps else "") + ") | "
                 f"{self.cfg.run.steps} steps | {self.cfg.train.precision}"
-                + (" (attention core in fp32)" if self.fp32_attention else "")
+                + (" (attention on the host flash kernel)" if self.host_attention else
+                   " (attention core in fp32)" if self.fp32_attention else "")
                 + (" (products as fp32 GEMMs)" if self.fp32_matmuls else "") + f" | run dir {self.run_dir}")
 
     def _cp_name(self) -> str:
