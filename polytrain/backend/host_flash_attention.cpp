@@ -42,16 +42,13 @@ using host_vectors::load;
 using host_vectors::Max;
 using host_vectors::Plus;
 using host_vectors::reduce_lanes;
+using host_vectors::splat;
 using host_vectors::store;
 using host_vectors::Vec;
 
 constexpr int64_t kBlock = 64;               // query rows, and key rows, of a block
 constexpr int kBlockVecs = kBlock / kLanes;  // vectors across a block's columns
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// x in every lane: one broadcast. (Vec{} + x adds 0.0 first, not an identity for -0.0 so not
-// folded away; x - 0.0 is one, and setting the lanes one by one became 16 masked broadcasts.)
-inline Vec splat(float x) { return x - Vec{}; }
 
 // Lane j of the result: j (the column within a vector).
 inline Int lane_index() {

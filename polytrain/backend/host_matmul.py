@@ -50,9 +50,10 @@ import torch
 from polytrain.backend.flops import cache_dir
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in
-                ("host_matmul.cpp", "host_attention.cpp", "host_flash_attention.cpp"))
-"""Built into one extension: thin_linear here, decode_attention (host_attention.py) and training's
-flash_attention (host_flash_attention.py) beside it."""
+                ("host_matmul.cpp", "host_attention.cpp", "host_flash_attention.cpp", "host_cross_entropy.cpp"))
+"""Built into one extension: thin_linear here, decode_attention (host_attention.py), training's
+flash_attention (host_flash_attention.py) and the chunked loss's chunk_lse and chunk_grad
+(host_cross_entropy.py) beside it."""
 HEADERS = (Path(__file__).with_name("host_matmul_amx.h"), Path(__file__).with_name("host_vectors.h"))
 """Included by SOURCES: part of what a build is keyed on."""
 ENV_VAR = "POLYTRAIN_HOST_KERNELS"
@@ -97,8 +98,8 @@ def _build_dir() -> Path:
 
 @functools.cache
 def available() -> bool:
-    """Whether the host kernels (torch.ops.polytrain.thin_linear, decode_attention and
-    flash_attention) are loaded in this process, built first if needed."""
+    """Whether the host kernels (torch.ops.polytrain.thin_linear, decode_attention, flash_attention,
+    chunk_lse and chunk_grad) are loaded in this process, built first if needed."""
     if os.environ.get(ENV_VAR, "1").strip() == "0":
         return False
     build = _build_dir()
@@ -119,6 +120,10 @@ def available() -> bool:
     torch.library.register_fake("polytrain::thin_linear")(
         lambda x, weight, bias: x.new_empty(x.shape[0], weight.shape[0]))
     torch.library.register_fake("polytrain::decode_attention")(lambda q, k, v, mask, scale: q.new_empty(q.shape))
+    torch.library.register_fake("polytrain::chunk_lse")(
+        lambda logits, target, hit: (logits.new_empty(logits.shape[0], dtype=torch.float32),
+                                     logits.new_empty((), dtype=torch.float32)))
+    torch.library.register_fake("polytrain::chunk_grad")(lambda logits, lse, target, hit, keep: torch.empty_like(logits))
     from polytrain.backend import host_flash_attention  # imports this module: here, not at the top
 
     host_flash_attention.register()

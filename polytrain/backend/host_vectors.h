@@ -25,6 +25,10 @@ typedef int32_t Int __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
 inline Vec load(const float* p) { return *reinterpret_cast<const Vec*>(p); }  // Vec is 4-byte aligned
 
+// x in every lane: one broadcast. (Vec{} + x adds 0.0 first, not an identity for -0.0 so not
+// folded away; x - 0.0 is one, and setting the lanes one by one became 16 masked broadcasts.)
+inline Vec splat(float x) { return x - Vec{}; }
+
 // kLanes bf16 values widened to fp32: a bf16 is the top half of the fp32 with the same value.
 #if defined(__AVX512F__)
 // One vpmovzxwd from memory and a shift: GCC 12 compiles the generic conversion below into two

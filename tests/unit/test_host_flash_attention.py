@@ -197,8 +197,10 @@ def test_fp32_training_on_the_kernel_matches_sdpa(small_corpus, tmp_path):
     assert kernel == pytest.approx(sdpa, rel=1e-5)
     # The kernel ran: its sums go in another order, so some weight differs in its last bits after 3 steps.
     assert any(not torch.equal(kernel_weights[name], w) for name, w in sdpa_weights.items())
+    # Adam's normalised steps turn rounding-level gradient differences into up to a few percent of a
+    # step (lr 3e-3) where a gradient is near zero: weights agree to well within one step.
     for name, w in sdpa_weights.items():
-        torch.testing.assert_close(kernel_weights[name], w, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(kernel_weights[name], w, rtol=1e-3, atol=1e-4)
 
 
 def test_true_is_refused_where_it_cannot_run(small_corpus, tmp_path):
