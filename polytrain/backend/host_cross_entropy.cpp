@@ -15,6 +15,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -36,6 +37,9 @@ using host_vectors::store;
 using host_vectors::Vec;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Rows a thread takes at least: 2^16 logits (~30 us), so small chunks stay on the calling thread.
+inline int64_t grain(int64_t V) { return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(V, 1)); }
 
 template <typename T>
 float row_lse(const T* row, int64_t V) {
@@ -60,7 +64,7 @@ float row_lse(const T* row, int64_t V) {
 template <typename T>
 void lse_rows(const T* logits, int64_t C, int64_t V, int64_t stride, const int64_t* target, const bool* hit,
               float* lse, float* target_logit) {
-  at::parallel_for(0, C, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, C, grain(V), [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       const T* row = logits + c * stride;
       lse[c] = row_lse(row, V);
@@ -72,7 +76,7 @@ void lse_rows(const T* logits, int64_t C, int64_t V, int64_t stride, const int64
 template <typename T>
 void grad_rows(const T* logits, int64_t C, int64_t V, int64_t stride, const float* lse, const int64_t* target,
                const bool* hit, const bool* keep, T* grad) {
-  at::parallel_for(0, C, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, C, grain(V), [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       const T* row = logits + c * stride;
       T* out = grad + c * V;

@@ -43,3 +43,13 @@ def chunk_grad(logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, hi
     """softmax - one_hot(target) from logits (C, V) and the whole vocabulary's lse (C,) fp32, zero on
     rows not `keep` (unscored), in the logits' dtype. Only where `applies(logits)`."""
     return torch.ops.polytrain.chunk_grad(logits, lse.contiguous(), target.reshape(-1), hit, keep)
+
+
+def _register_fakes() -> None:
+    torch.library.register_fake("polytrain::chunk_lse")(
+        lambda logits, target, hit: (logits.new_empty(logits.shape[0], dtype=torch.float32),
+                                     logits.new_empty((), dtype=torch.float32)))
+    torch.library.register_fake("polytrain::chunk_grad")(lambda logits, lse, target, hit, keep: torch.empty_like(logits))
+
+
+host_matmul.when_loaded(_register_fakes)

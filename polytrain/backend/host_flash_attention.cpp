@@ -50,6 +50,12 @@ constexpr int64_t kBlock = 64;               // query rows, and key rows, of a b
 constexpr int kBlockVecs = kBlock / kLanes;  // vectors across a block's columns
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// Tasks a thread takes at least, given each task's work in fp32 multiply-adds: about 2^20 of them
+// (~20 us) per thread, so small problems stay on the calling thread instead of waking the pool.
+inline int64_t grain(double work_per_task) {
+  return std::max<int64_t>(1, static_cast<int64_t>(std::ceil((1 << 20) / std::max(work_per_task, 1.0))));
+}
+
 // Lane j of the result: j (the column within a vector).
 inline Int lane_index() {
   Int idx;
@@ -271,12 +277,14 @@ void forward(const Shape& p, const T* q, Strides qs, const T* k, Strides ks, con
   // Every key/value head widened once (2 x B x Hkv x S x D fp32), then one task per (b, h, query
   // block); a thread's scratch is reused across its tasks.
   std::vector<float> kT(p.B * p.Hkv * per_head), v32(p.B * p.Hkv * per_head);
-  at::parallel_for(0, p.B * p.Hkv, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, p.B * p.Hkv, grain(2.0 * per_head), [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task)
       widen_keys(p, ks.head(k, task / p.Hkv, task % p.Hkv), vs.head(v, task / p.Hkv, task % p.Hkv),
                  kT.data() + task * per_head, v32.data() + task * per_head);
   });
-  at::parallel_for(0, p.B * p.H * nq, 1, [&](int64_t begin, int64_t end) {
+  // a query block's products: 2 x kBlock^2 x D per key block, (blocks_k + 1) / 2 of them on average if causal
+  const double block_work = 2.0 * kBlock * kBlock * p.D * (p.causal ? (p.blocks_k() + 1) / 2.0 : p.blocks_k());
+  at::parallel_for(0, p.B * p.H * nq, grain(block_work), [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(forward_scratch<NV>());
     for (int64_t task = begin; task < end; ++task) {
       const int64_t qb = task % nq, h = task / nq % p.H, b = task / nq / p.H;
@@ -373,7 +381,10 @@ template <typename T, int NV>
 void backward(const Shape& p, const T* q, Strides qs, const T* k, Strides ks, const T* v, Strides vs, const T* out,
               Strides os, const T* dout, Strides dos, const float* lse, T* dq, Strides dqs, T* dk, Strides dks,
               T* dv, Strides dvs) {
-  at::parallel_for(0, p.B * p.Hkv, 1, [&](int64_t begin, int64_t end) {
+  // a key/value head's products: 5 x kBlock^2 x D per block pair, its group's query heads' pairs
+  const double pairs = p.causal ? p.blocks_q() * (p.blocks_q() + 1) / 2.0 : double(p.blocks_q()) * p.blocks_k();
+  const double head_work = 5.0 * kBlock * kBlock * p.D * pairs * (p.H / p.Hkv);
+  at::parallel_for(0, p.B * p.Hkv, grain(head_work), [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(backward_block_scratch<NV>()), dq32, delta;
     for (int64_t task = begin; task < end; ++task)
       backward_head<T, NV>(p, task / p.Hkv, task % p.Hkv, q, qs, k, ks, v, vs, out, os, dout, dos, lse, dq, dqs, dk,

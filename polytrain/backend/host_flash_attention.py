@@ -82,9 +82,9 @@ def _backward(ctx, grad_out, grad_lse):
     return dq, dk, dv, None, None
 
 
-def register() -> None:
+def _register() -> None:
     """Give the operators their shapes under torch.compile and their backward, and note the head
-    sizes they take (host_matmul.available() calls this once the extension is loaded)."""
+    sizes they take: once the extension is loaded (host_matmul.when_loaded)."""
     global _head_dims
     lanes = int(torch.ops.polytrain.host_vector_lanes())
     _head_dims = frozenset(lanes * n for n in (1, 2, 4, 8, 16))
@@ -92,3 +92,6 @@ def register() -> None:
     torch.library.register_fake("polytrain::flash_attention_backward")(
         lambda dout, q, k, v, out, lse, causal, scale: (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)))
     torch.library.register_autograd("polytrain::flash_attention", _backward, setup_context=_setup_context)
+
+
+host_matmul.when_loaded(_register)

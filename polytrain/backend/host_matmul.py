@@ -43,6 +43,7 @@ import os
 import platform
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -96,6 +97,20 @@ def _build_dir() -> Path:
     return cache_dir() / "kernels" / f"host_matmul-{key}"
 
 
+def _load_built(build: Path) -> bool:
+    """Load the library a finished build left in `build` (keyed by the sources' bytes, so never stale):
+    about 1 ms, where torch's builder spends ~0.5 s checking it is up to date, in every process that
+    trains on the host. False where there is none, or a build is under way (its lock file)."""
+    library = build / "polytrain_host_matmul.so"
+    if not library.exists() or (build / "lock").exists():
+        return False
+    try:
+        torch.ops.load_library(str(library))
+    except OSError:  # unreadable or cut short: the builder makes it again
+        return False
+    return True
+
+
 @functools.cache
 def available() -> bool:
     """Whether the host kernels (torch.ops.polytrain.thin_linear, decode_attention, flash_attention,
@@ -104,14 +119,15 @@ def available() -> bool:
         return False
     build = _build_dir()
     try:
-        from torch.utils import cpp_extension
+        if not _load_built(build):
+            from torch.utils import cpp_extension
 
-        build.mkdir(parents=True, exist_ok=True)
-        if not any(build.glob("*.so")):
-            print(f"polytrain: building the host kernels (matmul, attention) once for this machine into {build}",
+            build.mkdir(parents=True, exist_ok=True)
+            print(f"polytrain: building the host kernels (matmul, attention, loss) once for this machine into {build}",
                   file=sys.stderr, flush=True)
-        cpp_extension.load(name="polytrain_host_matmul", sources=[str(f) for f in SOURCES], build_directory=str(build),
-                           extra_cflags=compile_flags(), is_python_module=False, verbose=False)
+            cpp_extension.load(name="polytrain_host_matmul", sources=[str(f) for f in SOURCES],
+                               build_directory=str(build), extra_cflags=compile_flags(), is_python_module=False,
+                               verbose=False)
     except Exception as e:  # no compiler, an unsupported flag, a failed build: F.linear stays
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         warnings.warn(f"polytrain: the host kernels could not be built ({reason}); decoding uses "
@@ -120,11 +136,19 @@ def available() -> bool:
     torch.library.register_fake("polytrain::thin_linear")(
         lambda x, weight, bias: x.new_empty(x.shape[0], weight.shape[0]))
     torch.library.register_fake("polytrain::decode_attention")(lambda q, k, v, mask, scale: q.new_empty(q.shape))
-    torch.library.register_fake("polytrain::chunk_lse")(
-        lambda logits, target, hit: (logits.new_empty(logits.shape[0], dtype=torch.float32),
-                                     logits.new_empty((), dtype=torch.float32)))
-    torch.library.register_fake("polytrain::chunk_grad")(lambda logits, lse, target, hit, keep: torch.empty_like(logits))
-    from polytrain.backend import host_flash_attention  # imports this module: here, not at the top
-
-    host_flash_attention.register()
+    for hook in _when_loaded:
+        hook()
     return True
+
+
+_when_loaded: list[Callable[[], None]] = []
+
+
+def when_loaded(hook: Callable[[], None]) -> None:
+    """Run `hook()` (registering an operator's fake or backward) once the kernels are loaded in this
+    process: now if they are, else when `available()` loads them. The other host_* modules register
+    theirs this way, so this module imports none of them."""
+    if available.cache_info().currsize and available():
+        hook()
+    else:
+        _when_loaded.append(hook)

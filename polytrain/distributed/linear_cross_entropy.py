@@ -197,26 +197,26 @@ def _chunk_grad(logits: torch.Tensor, lse: torch.Tensor, t: torch.Tensor, hit: t
 def _kernels(compile_backend: str | None):
     """(lse_of, grad_of): a chunk's log-sum-exp and its softmax gradient.
 
-    On the host CPU the host operators (backend/host_cross_entropy.py: one pass over the chunk
-    for each, where torch's ops make a dozen) take fp32 and bf16 chunks without fp16's scale or a
-    bias; elsewhere `_chunk_lse` and `_chunk_grad`, eager or compiled with `compile_backend`. The
-    full chunk's shape compiles first; a second one (a smaller last chunk, another batch's token
-    count) makes dynamo compile one graph with a dynamic token dimension, so varying lengths (SFT,
-    RLHF) do not recompile at every step."""
-    lse_in_torch, grad_in_torch = _chunk_lse, _chunk_grad
+    Compiled (train.compile) they are `_chunk_lse` and `_chunk_grad` through `compile_backend`,
+    each one fused pass over the chunk: the full chunk's shape compiles first; a second one (a
+    smaller last chunk, another batch's token count) makes dynamo compile one graph with a
+    dynamic token dimension, so varying lengths (SFT, RLHF) do not recompile at every step.
+    Eager, the host operators (backend/host_cross_entropy.py: one pass each, where torch's ops
+    make a dozen) take fp32 and bf16 chunks on the host CPU without fp16's scale or a bias, and
+    `_chunk_lse` / `_chunk_grad` the rest."""
     if compile_backend is not None:
-        lse_in_torch = torch.compile(_chunk_lse, backend=compile_backend)
-        grad_in_torch = torch.compile(_chunk_grad, backend=compile_backend)
+        return (torch.compile(_chunk_lse, backend=compile_backend),
+                torch.compile(_chunk_grad, backend=compile_backend))
 
     def lse_of(logits, t, hit):
         if host_cross_entropy.applies(logits):
             return host_cross_entropy.chunk_lse(logits, t, hit)
-        return lse_in_torch(logits, t, hit)
+        return _chunk_lse(logits, t, hit)
 
     def grad_of(logits, lse, t, hit, keep, scale, want_bias):
         if scale is None and not want_bias and host_cross_entropy.applies(logits):
             return host_cross_entropy.chunk_grad(logits, lse, t, hit, keep), None
-        return grad_in_torch(logits, lse, t, hit, keep, scale, want_bias)
+        return _chunk_grad(logits, lse, t, hit, keep, scale, want_bias)
 
     return lse_of, grad_of
 
