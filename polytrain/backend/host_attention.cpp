@@ -17,7 +17,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <optional>
 #include <vector>
 
@@ -28,6 +27,7 @@ namespace {
 using host_vectors::exp_nonpositive;
 using host_vectors::Int;
 using host_vectors::kLanes;
+using host_vectors::kNegInf;
 using host_vectors::load;
 using host_vectors::sum_lanes;
 using host_vectors::Vec;
@@ -35,7 +35,6 @@ using host_vectors::Vec;
 constexpr int kGroup = 8;  // query heads per pass over a head's keys and values: their sums stay in registers
 constexpr int kChunk = 2;  // vectors of a value row summed per pass over the slots: 8 heads x 2 of the registers
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // A row of scores: S padded to whole vectors.
 inline int64_t row_length(int64_t S) { return (S + kLanes - 1) / kLanes * kLanes; }

@@ -18,7 +18,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -28,6 +27,7 @@ namespace {
 
 using host_vectors::exp_nonpositive;
 using host_vectors::kLanes;
+using host_vectors::kNegInf;
 using host_vectors::load;
 using host_vectors::Max;
 using host_vectors::Plus;
@@ -36,7 +36,6 @@ using host_vectors::splat;
 using host_vectors::store;
 using host_vectors::Vec;
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Rows a thread takes at least: 2^16 logits (~30 us), so small chunks stay on the calling thread.
 inline int64_t grain(int64_t V) { return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(V, 1)); }

@@ -12,8 +12,8 @@ ranks (2,048 tokens x 4,096 vocabulary a rank) put those ops at ~57 ms of 391; s
 ("The chunked loss's softmax in a host kernel") for what the operators make of it.
 
 Built with the other host kernels (host_matmul.available()). `chunk_lse` / `chunk_grad` here take
-the chunked loss's own arguments and return None where they do not apply (another device or
-dtype, a sharded tensor), for its torch ops.
+the chunked loss's own arguments; `applies(logits)` says whether they take a chunk (fp32 or bf16
+rows on the host CPU), and the loss keeps its torch ops where they do not.
 """
 
 from __future__ import annotations

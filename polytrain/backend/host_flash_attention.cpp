@@ -26,8 +26,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -38,6 +36,7 @@ namespace {
 using host_vectors::exp_nonpositive;
 using host_vectors::Int;
 using host_vectors::kLanes;
+using host_vectors::kNegInf;
 using host_vectors::load;
 using host_vectors::Max;
 using host_vectors::Plus;
@@ -48,7 +47,6 @@ using host_vectors::Vec;
 
 constexpr int64_t kBlock = 64;               // query rows, and key rows, of a block
 constexpr int kBlockVecs = kBlock / kLanes;  // vectors across a block's columns
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Tasks a thread takes at least, given each task's work in fp32 multiply-adds: about 2^20 of them
 // (~20 us) per thread, so small problems stay on the calling thread instead of waking the pool.

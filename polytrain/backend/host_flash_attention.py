@@ -4,8 +4,8 @@ torch's CPU SDPA runs a training step's attention through its flash kernel, whic
 each block of queries by each block of keys with a call of the CPU BLAS and works the softmax
 between those calls. At the head sizes of small and mid-sized models the calls are short and the
 work between them dominates: at llama tiny's (8, 6, 256, 32), causal, on one Zen 4 core, its
-forward and backward took 25 ms in fp32 and 34 ms in bf16, ~25 GFLOP/s where the core's fp32
-FMAs give ~100. host_flash_attention.cpp does the same blockwise algorithm
+forward and backward took 25 ms in fp32 and 34 ms in bf16, ~25 GFLOP/s, where the kernel below
+reaches ~60. host_flash_attention.cpp does the same blockwise algorithm
 (64 x 64 blocks of scores that never reach memory, online softmax in the forward, the
 probabilities recomputed from each row's log-sum-exp in the backward) with the products as
 register tiles of fp32 vectors: no calls, no packing, and grouped-query heads read in place
@@ -37,7 +37,7 @@ from polytrain.backend import host_matmul
 DTYPES = (torch.float32, torch.bfloat16)
 
 _head_dims: frozenset[int] = frozenset()
-"""The head sizes the kernel takes here, 1, 2, 4, 8 or 16 of its vectors; set by `register()`.
+"""The head sizes the kernel takes here, 1, 2, 4, 8 or 16 of its vectors; set by `_register()`.
 A plain set, so that a compiled caller's check of it is a constant."""
 
 

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace host_vectors {
 
@@ -17,6 +18,8 @@ constexpr int kLanes = 8;
 #else
 constexpr int kLanes = 4;   // 128-bit vectors (SSE, NEON)
 #endif
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float)), aligned(sizeof(float))));
 typedef uint16_t Half __attribute__((vector_size(kLanes * sizeof(uint16_t)), aligned(sizeof(uint16_t))));
