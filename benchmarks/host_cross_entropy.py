@@ -16,14 +16,13 @@ the speedup, and the largest difference between the two ways' losses and gradien
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import statistics
 import time
 
 import torch
+from paired_ops import host_against_torch, machine_line, require_host_kernels
 
-from polytrain.backend import host_cross_entropy, host_matmul
+from polytrain.backend import host_cross_entropy
 from polytrain.distributed import linear_cross_entropy as lce
 
 SHAPES = "2048,192,4096;2048,512,32000;2048,768,32000"
@@ -59,8 +58,7 @@ def step(hidden, weight, targets, host: bool):
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    if not host_matmul.available():
-        raise SystemExit("error: the host kernels could not be built here (see the warning above)")
+    require_host_kernels()
     load = os.getloadavg()[0]
     rows = []
     for spec in args.shapes.split(";"):
@@ -70,19 +68,9 @@ def main() -> None:
             hidden = torch.randn(n, d, generator=gen).to(dtype)
             weight = (d ** -0.5 * torch.randn(v, d, generator=gen)).to(dtype)
             targets = torch.randint(0, v, (n,), generator=gen)
-            results = {True: step(hidden, weight, targets, True), False: step(hidden, weight, targets, False)}
-            times = {True: [], False: []}
-            for r in range(args.rounds):
-                for host in ((True, False) if r % 2 == 0 else (False, True)):
-                    times[host].append(step(hidden, weight, targets, host)[0])
-            diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(results[True][1:], results[False][1:]))
-            med = {k: statistics.median(ts) for k, ts in times.items()}
-            rows.append(f"| {n}, {d}, {v} | {str(dtype).removeprefix('torch.')} | {med[False]:.1f} "
-                        f"({min(times[False]):.1f}-{max(times[False]):.1f}) | {med[True]:.1f} "
-                        f"({min(times[True]):.1f}-{max(times[True]):.1f}) | {med[False] / med[True]:.2f}x | {diff:.1e} |")
-    print(f"\n{datetime.date.today()}, {torch.get_num_threads()} threads, torch {torch.__version__}, load average "
-          f"{load:.1f} at start, {os.getloadavg()[0]:.1f} at the end; forward + backward, median (spread) of "
-          f"{args.rounds} alternating rounds, ms\n")
+            compared = host_against_torch(lambda host: step(hidden, weight, targets, host), args.rounds, digits=1)
+            rows.append(f"| {n}, {d}, {v} | {str(dtype).removeprefix('torch.')} | {compared} |")
+    print(machine_line(load, args.rounds, "forward + backward, ms"))
     print("| N, D, V | dtype | torch ops | host operators | speedup | largest difference |\n"
           "| --- | --- | ---: | ---: | ---: | ---: |")
     print("\n".join(rows))

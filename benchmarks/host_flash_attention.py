@@ -19,15 +19,14 @@ each, and each way's largest output error against a float64 reference of the sam
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from paired_ops import alternate, cell, machine_line, require_host_kernels, speedup
 
-from polytrain.backend import host_flash_attention, host_matmul
+from polytrain.backend import host_flash_attention
 from polytrain.train.attention_fp32 import in_fp32
 
 SHAPES = "8,6,2,256,32;8,6,2,256,64;4,12,4,512,64;2,12,4,1024,64;1,12,4,2048,64"
@@ -84,15 +83,10 @@ def measure(spec: str, rounds: int) -> list[str]:
         errors = {name: (core(q, k, v, None).double() - reference).abs().max().item() for name, core in ways.items()}
         for core in ways.values():  # warm up
             step_ms(core, q, k, v, g)
-        times = {name: [] for name in ways}
-        for r in range(rounds):
-            for name in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
-                times[name].append(step_ms(ways[name], q, k, v, g))
-        med = {name: statistics.median(ts) for name, ts in times.items()}
+        times = alternate({name: (lambda core=core: step_ms(core, q, k, v, g)) for name, core in ways.items()}, rounds)
         for name, ts in times.items():
-            speedup = "" if name == "kernel" else f"{med[name] / med['kernel']:.2f}x"
-            rows.append(f"| {b}, {h}, {hkv}, {t}, {d} | {precision} | {name} | {med[name]:.2f} "
-                        f"({min(ts):.2f}-{max(ts):.2f}) | {speedup} | {errors[name]:.1e} |")
+            ratio = "" if name == "kernel" else speedup(ts, times["kernel"])
+            rows.append(f"| {b}, {h}, {hkv}, {t}, {d} | {precision} | {name} | {cell(ts)} | {ratio} | {errors[name]:.1e} |")
     return rows
 
 
@@ -100,13 +94,10 @@ def main() -> None:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not host_matmul.available():
-        raise SystemExit("error: the host kernels could not be built here (see the warning above)")
+    require_host_kernels()
     load = os.getloadavg()[0]
     rows = [row for spec in args.shapes.split(";") for row in measure(spec, args.rounds)]
-    print(f"\n{datetime.date.today()}, {torch.get_num_threads()} threads, torch {torch.__version__}, load average "
-          f"{load:.1f} at start, {os.getloadavg()[0]:.1f} at the end; causal, forward + backward, median "
-          f"(spread) of {args.rounds} alternating rounds\n")
+    print(machine_line(load, args.rounds, "causal, forward + backward"))
     print("| B, H, Hkv, T, D | training in | way | ms | kernel's speedup over it | max output error |\n"
           "| --- | --- | --- | ---: | ---: | ---: |")
     print("\n".join(rows))

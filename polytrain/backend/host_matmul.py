@@ -51,10 +51,11 @@ import torch
 from polytrain.backend.flops import cache_dir
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in
-                ("host_matmul.cpp", "host_attention.cpp", "host_flash_attention.cpp", "host_cross_entropy.cpp"))
+                ("host_matmul.cpp", "host_attention.cpp", "host_flash_attention.cpp", "host_cross_entropy.cpp",
+                 "host_activations.cpp"))
 """Built into one extension: thin_linear here, decode_attention (host_attention.py), training's
-flash_attention (host_flash_attention.py) and the chunked loss's chunk_lse and chunk_grad
-(host_cross_entropy.py) beside it."""
+flash_attention (host_flash_attention.py), the chunked loss's chunk_lse and chunk_grad
+(host_cross_entropy.py) and the feed-forward activations (host_activations.py) beside it."""
 HEADERS = (Path(__file__).with_name("host_matmul_amx.h"), Path(__file__).with_name("host_vectors.h"))
 """Included by SOURCES: part of what a build is keyed on."""
 ENV_VAR = "POLYTRAIN_HOST_KERNELS"
@@ -114,7 +115,7 @@ def _load_built(build: Path) -> bool:
 @functools.cache
 def available() -> bool:
     """Whether the host kernels (torch.ops.polytrain.thin_linear, decode_attention, flash_attention,
-    chunk_lse and chunk_grad) are loaded in this process, built first if needed."""
+    chunk_lse, chunk_grad, gelu_tanh and silu_mul) are loaded in this process, built first if needed."""
     if os.environ.get(ENV_VAR, "1").strip() == "0":
         return False
     build = _build_dir()

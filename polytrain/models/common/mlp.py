@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from polytrain.backend.host_activations import gelu_tanh, silu_mul
+
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu": F.gelu,  # exact, with erf (BERT)
-    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),  # GPT-2's and T5's "gelu_new"
+    "gelu_tanh": gelu_tanh,  # GPT-2's and T5's "gelu_new": F.gelu(approximate="tanh"), on the host in one pass
     "relu": F.relu,
 }
+GATED_PRODUCTS = {"silu": silu_mul}
+"""act(gate) * up in one pass (on the host; torch's ops elsewhere), where one is written."""
 
 
 class FeedForward(nn.Module):
@@ -37,8 +39,11 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (B, T, dim) -> (B, T, hidden_dim) -> (B, T, dim)
-        h = ACTIVATIONS[self.activation](self.w1(x))
-        if self.w3 is not None:
-            h = h * self.w3(x)
+        if self.w3 is None:
+            h = ACTIVATIONS[self.activation](self.w1(x))
+        elif self.activation in GATED_PRODUCTS:
+            h = GATED_PRODUCTS[self.activation](self.w1(x), self.w3(x))
+        else:
+            h = ACTIVATIONS[self.activation](self.w1(x)) * self.w3(x)
         return self.dropout(self.w2(h))
 
