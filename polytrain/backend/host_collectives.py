@@ -170,7 +170,8 @@ class _Channel:
                 os.sched_yield()
                 continue
             now = time.monotonic()
-            started = now if started is None else started
+            if started is None:  # the first look at /proc after LIVENESS_CHECK_S: most waits end sooner
+                started = checked = now
             if now - checked > LIVENESS_CHECK_S:
                 checked = now
                 late = [i for i, f in enumerate(self.flags.tolist()) if f < self.calls]
