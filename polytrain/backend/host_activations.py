@@ -7,7 +7,8 @@ activation on one Zen 4 core: several times the time to read and write it, and ~
 GPT-2 small step at tp 2 (RESULTS.md). Written as x sigmoid(2u) with the sigmoid from one
 exponential (the one the flash kernel's softmax uses), a pass costs about its memory traffic.
 Llama's SwiGLU, silu(w1 x) * w3 x, is three torch passes forward and three backward, and autograd
-keeps silu(w1 x) besides both inputs; `silu_mul` is one pass each way and keeps the two inputs.
+keeps silu(w1 x) besides both inputs; `silu_mul` is one pass each way and keeps the two inputs
+(on other devices too: there it runs torch's ops and recomputes silu(w1 x) in the backward).
 
 Both compute in fp32 for fp32 and bf16 tensors and round once; they agree with torch's to fp32
 rounding (gelu's small negative tail closer to the exact value than torch's 0.5 x (1 + tanh u),
@@ -51,10 +52,27 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """F.silu(gate) * up (SwiGLU's product of its gate and up projections), differentiable."""
+    """F.silu(gate) * up (SwiGLU's product of its gate and up projections), differentiable; its
+    backward keeps gate and up only, on every device (silu(gate) is recomputed)."""
     if applies(gate, up):
         return torch.ops.polytrain.silu_mul(gate, up)
-    return F.silu(gate) * up
+    return _SiluMul.apply(gate, up)
+
+
+class _SiluMul(torch.autograd.Function):
+    """silu(gate) * up in torch's ops, saving gate and up (autograd would keep silu(gate) too)."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        d_gate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
+        d_up = grad * F.silu(gate) if ctx.needs_input_grad[1] else None
+        return d_gate, d_up
 
 
 def _gelu_setup(ctx, inputs, output):

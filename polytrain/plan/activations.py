@@ -13,8 +13,9 @@ term against the tensors autograd really saves):
     attention    q, k, v (k and v repeated to the query heads) and the output: 4 x H hd
                  elements; the log-sum-exp of flash attention (H fp32). No (T x T)
                  scores: scaled_dot_product_attention's flash kernels keep none
-    MLP          gated: w1's and w3's outputs, the activation, their product (4F);
-                 plain: w1's output and the activation (2F)
+    MLP          gated: w1's and w3's outputs and their product silu(w1 x) w3 x (3F: the
+                 fused silu_mul recomputes the activation); plain: w1's output and the
+                 activation (2F)
     autocast     each micro-batch's bf16/fp16 copies of the block's weights (2 bytes per
                  matrix element), saved with the graph until that block's backward
 
@@ -114,7 +115,9 @@ def block_bytes_per_token(family: BlockFamily, d: BlockDims, compute_bytes: int,
     else:
         attention = compute_bytes * (2 * d.attn_width / tp + 2 * d.kv_width(tp))
     lse = 0.0 if recompute == "selective" else FP32 * d.n_heads / tp
-    mlp = (4 if family.gated else 2) * compute_bytes * d.ffn_dim / tp
+    # per FFN feature: the activation's input and w2's input; gated, also w3's output
+    # (silu_mul keeps gate and up, not silu(gate): backend/host_activations.py)
+    mlp = (3 if family.gated else 2) * compute_bytes * d.ffn_dim / tp
     return norms + norm_outputs + attention + lse + mlp
 
 
