@@ -1,6 +1,7 @@
 """Two `Trainer`s of one config but one setting, timed in alternating rounds on the same ranks.
 
-Shared by compile_speed.py (train.compile) and tp_overlap.py (parallel.tp_overlap): each
+Shared by compile_speed.py (train.compile), tp_overlap.py (parallel.tp_overlap) and fp32_gemm.py
+(train.fp32_gemm; the last two through `train_pair`): each
 round runs `steps` timed train_step()s of one trainer, then of the other, between barriers,
 who goes first swapping each round, so drift in machine speed hits both alike.
 """
@@ -32,6 +33,75 @@ def alternate(trainers: dict, rounds: int, steps: int, tokens_per_step: int) -> 
     return rates, losses
 
 
+def train_pair(args, world: int, layout: list[str], work: Path, settings: dict[str, list[str]],
+               tokens_per_step: int, global_batch: int) -> dict:
+    """Two `Trainer`s of args.arch / args.size at args.seq_len x args.micro_batch on `layout`, each with
+    its `settings[name]` overrides, warmed up, then timed by `alternate`: {"rates", "losses"}."""
+    import torch
+
+    from polytrain.config import load_config
+    from polytrain.train.trainer import Trainer
+
+    torch.set_num_threads(max(1, args.threads // world))
+    trainers = {}
+    for name, setting in settings.items():
+        overrides = ["--model.arch", args.arch, "--model.size", args.size, "--data.source", args.source,
+                     "--data.seq_len", str(args.seq_len), "--model.max_seq_len", str(args.seq_len),
+                     "--train.micro_batch_size", str(args.micro_batch), "--train.global_batch_size", str(global_batch),
+                     "--run.steps", str(args.warmup + args.rounds * args.steps), "--run.out_dir", str(work / name),
+                     "--run.eval_every", "0", "--run.sample_tokens", "0", "--checkpoint.resume", "none",
+                     *layout, *setting]
+        trainers[name] = Trainer(load_config(None, overrides))
+        for _ in range(args.warmup):
+            trainers[name].train_step()
+    rates, losses = alternate(trainers, args.rounds, args.steps, tokens_per_step)
+    for trainer in trainers.values():
+        trainer.close()
+    return {"rates": rates, "losses": losses}
+
+
+def run_layouts(args, layouts: dict[str, list[str]], body, old: str, new: str) -> tuple[list[dict], float]:
+    """For each of args.layouts (a comma list of `layouts`' names): `body` on 2 gloo ranks
+    (tests/multirank.py), which returns train_pair's {"rates", "losses"}, compared new / old;
+    (the rows, the load average at the start)."""
+    import tempfile
+
+    from tests.multirank import run_ranks  # the caller put the repository root on sys.path
+
+    load = load_at_start()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="polytrain-paired-") as tmp:
+        for layout in args.layouts.split(","):
+            result = run_ranks(2, body, args, layouts[layout], str(Path(tmp) / f"layout{len(rows)}"), timeout=3600)[0]
+            row = {"layout": layout, **result, **compare(result["rates"], new, old)}
+            rows.append(row)
+            print(progress_line(layout, row, old, new), flush=True)
+    return rows, load
+
+
+def publish_pairs(args, rows: list[dict], load: float, old: str, new: str, labels: tuple[str, str]) -> None:
+    """run_layouts' rows under the run's line (the command, shape and rounds), printed and, with
+    --json, written (`publish`); `labels` name the old and new trainers in the table's header."""
+    import sys
+
+    run = (f"`python {' '.join(sys.argv)}`: {args.arch} {args.size}, seq {args.seq_len} x micro-batch "
+           f"{args.micro_batch} a rank, fp32, {args.rounds} rounds x {args.steps} steps after {args.warmup} "
+           f"warm-up, {args.threads} threads over the 2 ranks")
+    publish("\n".join([machine_line(load), run, "", *pair_table(rows, old, new, *labels)]), args.json, args, rows)
+
+
+def pair_table(rows: list[dict], old: str, new: str, old_label: str, new_label: str) -> list[str]:
+    """run_layouts' rows as a table: tokens/s each way, the ratio new / old, the rounds, the last losses."""
+    lines = [f"| layout | {old_label} tok/s (spread) | {new_label} tok/s (spread) | {new}/{old} | per-round ratios "
+             f"| loss {old} / {new} |",
+             "| --- | ---: | ---: | ---: | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['layout']} | {spread(r['rates'][old])} | {spread(r['rates'][new])} "
+                     f"| **{r['ratio']:.3f}** | {ratios(r['round_ratios'])} "
+                     f"| {r['losses'][old]:.5f} / {r['losses'][new]:.5f} |")
+    return lines
+
+
 def compare(rates: dict[str, list[float]], new: str, old: str) -> dict:
     """Medians, the ratio of medians new / old and the sorted per-round ratios."""
     median = {name: statistics.median(v) for name, v in rates.items()}
@@ -46,6 +116,16 @@ def spread(values: list[float]) -> str:
 
 def ratios(values: list[float]) -> str:
     return " ".join(f"{x:.2f}" for x in values)
+
+
+def add_layout_arguments(p, layouts: dict[str, list[str]]) -> None:
+    """train_pair's model and shape arguments (gpt2 small, seq 256 x micro-batch 8: vs_megatron's) and
+    --layouts, a comma list of `layouts`' names (all by default)."""
+    p.add_argument("--arch", default="gpt2")
+    p.add_argument("--size", default="small")
+    p.add_argument("--layouts", default=",".join(layouts), help="comma list of " + ", ".join(layouts))
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--micro-batch", type=int, default=8)
 
 
 def add_round_arguments(p, rounds: int) -> None:

@@ -27,7 +27,7 @@ applies the loss itself), return their input and score it through `loss(hidden, 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -69,12 +69,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 targets: torch.Tensor, chunk: int, make_grads: bool, vocab_start: int, group,
-                compile_backend: str | None, matmul_dtype: torch.dtype | None) -> torch.Tensor:
+                compile_backend: str | None, matmul_dtype: torch.dtype | None,
+                product: Callable[..., torch.Tensor] | None) -> torch.Tensor:
         # hidden (N, D), weight (V_local, D) = vocabulary rows [vocab_start, vocab_start + V_local)
         # (all of them without a group), bias (V_local,) or None, targets (N,) with IGNORE_INDEX holes.
         # Matmuls follow the surrounding autocast (as F.linear and autograd's own backward
         # matmuls would) unless matmul_dtype says otherwise; the softmax and the loss are fp32.
         # make_grads is False under no_grad (evaluation), where needs_input_grad still says True.
+        # `product` (train.fp32_gemm: oneDNN) runs the logits' and the hidden states' gradient's
+        # products as F.linear would; None: F.linear and @.
         want_h, want_w, want_b = (make_grads and need for need in ctx.needs_input_grad[:3])
         n_local = weight.shape[0]
         scored = targets != IGNORE_INDEX
@@ -99,7 +102,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
             h, t, keep, hit = hidden[rows].to(low_dtype), safe_targets[rows, None], scored[rows], mine[rows]
-            logits = F.linear(h, weight_low, bias_low)  # (C, V_local) in the matmul dtype
+            logits = (product or F.linear)(h, weight_low, bias_low)  # (C, V_local) in the matmul dtype
             lse, target = lse_of(logits, t, hit)  # (C,) -inf for an empty vocabulary shard; ()
             if group is not None:  # the whole vocabulary's, from every rank's (tp, C)
                 lse = torch.logsumexp(all_gather(lse, 0, group).view(-1, lse.shape[0]), dim=0)
@@ -114,7 +117,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if want_b:
                 grad_b += bias_sum
             if want_h:
-                grad_h[rows] = (grad @ weight_low).float().div_(count if scale is None else count * scale)
+                dh = product(grad, weight_low.t()) if product is not None else grad @ weight_low  # (C, D)
+                grad_h[rows] = dh.float().div_(count if scale is None else count * scale)
             if want_w and scale is None and grad.dtype == grad_w.dtype:  # fp32: summed inside the GEMM
                 grad_w.addmm_(grad.t(), h)  # (V_local, D), no (V_local, D) product to add afterwards
             elif want_w:
@@ -135,13 +139,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return (grad_h * grad_loss.to(grad_h.dtype) if grad_h is not None else None,
                 (grad_w * grad_loss).to(w_dtype) if grad_w is not None else None,
                 (grad_b * grad_loss).to(b_dtype) if grad_b is not None else None,
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          targets: torch.Tensor, chunk: int | None = None, *, vocab_start: int = 0,
                          group=None, compile_backend: str | None = None,
-                         matmul_dtype: torch.dtype | None = None) -> torch.Tensor:
+                         matmul_dtype: torch.dtype | None = None,
+                         product: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """Mean cross-entropy of `hidden @ weight.T + bias` against `targets`, chunk tokens at a time.
 
     hidden (..., D), targets (...) with -100 = not scored; equals
@@ -151,7 +156,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
     the same `chunk` (one all-gather per chunk). `compile_backend` (train.compile) runs each
     chunk's softmax and its gradient as two compiled kernels, each one pass over the chunk's logits.
     `matmul_dtype` (train.matmul_fp32: fp32) runs the chunks' products in that dtype instead of
-    autocast's or the weight's.
+    autocast's or the weight's. `product` (train.fp32_gemm), (x, weight, bias=None) -> x weight^T + bias,
+    runs the chunks' logits and hidden-state gradients in place of F.linear.
     """
     hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, D)
     if chunk is None:
@@ -159,7 +165,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
     # A surrounding autocast would round matmul_dtype's products to its own dtype.
     with torch.autocast(hidden.device.type, enabled=False) if matmul_dtype is not None else nullcontext():
         return _LinearCrossEntropy.apply(hidden, weight, bias, targets.reshape(-1), chunk,
-                                         torch.is_grad_enabled(), vocab_start, group, compile_backend, matmul_dtype)
+                                         torch.is_grad_enabled(), vocab_start, group, compile_backend, matmul_dtype,
+                                         product)
 
 
 def _chunk_lse(logits: torch.Tensor, t: torch.Tensor, hit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,6 +242,8 @@ class ScoringHead:
     """Set (train.compile): the loss's per-chunk kernels are compiled with this torch.compile backend."""
     matmul_dtype: torch.dtype | None = None
     """Set (train.matmul_fp32): the chunks' products run in this dtype, not the weight's or autocast's."""
+    chunk_product: Callable[..., torch.Tensor] | None = None
+    """Set (train.fp32_gemm): the chunks' logits and hidden-state gradients run through it, not F.linear."""
 
     @contextmanager
     def scoring(self, targets: torch.Tensor) -> Iterator[None]:

@@ -46,6 +46,8 @@ from polytrain.models import ARCHITECTURES
 from polytrain.models.common.attention import Attention
 from polytrain.train.attention_fp32 import attention_in_fp32, wanted
 from polytrain.train.compiled import CompileTimer, compile_blocks, compiled_backend
+from polytrain.train.fp32_gemm import linears_on_onednn
+from polytrain.train.fp32_gemm import wanted as wants_onednn
 from polytrain.train.host_attention import attention_on_kernel, why_not
 from polytrain.train.host_attention import wanted as wants_host_attention
 from polytrain.train.loss import (
@@ -111,6 +113,8 @@ class BuiltModel:
     """Whether its Linear layers' and loss head's products run as fp32 GEMMs (train.matmul_fp32)."""
     host_attention: bool = False
     """Whether its attention cores run on the host CPU's flash kernel (train.host_attention)."""
+    onednn_products: bool = False
+    """Whether its fp32 products run on oneDNN rather than the BLAS (train.fp32_gemm)."""
 
 
 def fp32_attention(cfg: Config, model: nn.Module, device: torch.device, cp: ContextParallel | None) -> bool:
@@ -166,6 +170,7 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
     use_host_attention = host_attention(cfg, model, runtime.device, cp)
     use_fp32_matmuls = wants_fp32_matmuls(cfg.train.matmul_fp32, AUTOCAST[cfg.train.precision],
                                          runtime.device.type)
+    use_onednn = wants_onednn(cfg.train.fp32_gemm, AUTOCAST[cfg.train.precision], runtime.device.type)
     for stage in stages.values():
         if cp is not None:
             parallelize_context(stage, cp)  # first: tensor parallelism and checkpointing wrap its cores
@@ -176,6 +181,8 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
             attention_on_kernel(stage)  # in front of the (fp32) core, which keeps the calls it cannot take
         if use_fp32_matmuls:
             linears_in_fp32(stage)  # after tp (its sharded layers keep their own products), before compile
+        if use_onednn:
+            linears_on_onednn(stage)  # likewise (fp32 models only: never with linears_in_fp32)
         compiled += compile_blocks(stage) if cfg.train.compile else 0  # tp inside, recomputation around
         apply_activation_checkpointing(stage, cfg.train.activation_checkpoint)
     timer = CompileTimer.started(compiled) if cfg.train.compile else None  # dp's hooks stay outside
@@ -208,7 +215,7 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
     else:
         loss = ContextParallelLoss(ModelLoss(sharded_logits_loss(logits_loss, cp), head), cp, eot_id)
     return BuiltModel(model, dp, loss, runner, tp_ctx, cp, num_params, flops, adapters, timer, use_fp32_attention,
-                      use_fp32_matmuls, use_host_attention)
+                      use_fp32_matmuls, use_host_attention, use_onednn)
 
 
 def place_model(runtime: Runtime, module: nn.Module, cfg: Config, seed: int) -> BuiltModel:

@@ -40,7 +40,8 @@ class LossHead(ScoringHead, nn.Linear):
     def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean loss of hidden (B, T, D) against targets (B, T)."""
         return linear_cross_entropy(hidden, self.weight, self.bias, targets,
-                                    compile_backend=self.compile_backend, matmul_dtype=self.matmul_dtype)
+                                    compile_backend=self.compile_backend, matmul_dtype=self.matmul_dtype,
+                                    product=self.chunk_product)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         scored = self.scored_forward(hidden)

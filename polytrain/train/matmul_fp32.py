@@ -16,7 +16,8 @@ Layers that run their own products take them through a `product` attribute, whic
 `fp32_product`: LoRA layers (`LoRALinear.product`) and tensor parallelism's sharded layers
 (1D column, row and vocabulary head, LoRA's under tp, 2D/2.5D and 3D), whose overlapped
 backward (`parallel.tp_overlap`) runs its input and weight gradients through it too. Left in
-16 bits: any other subclass of nn.Linear with its own forward.
+16 bits: any other subclass of nn.Linear with its own forward. `route_products` is that
+traversal for any product; train.fp32_gemm routes fp32 models' products to oneDNN with it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from polytrain.backend import host_gemm
+
+Product = Callable[..., torch.Tensor]
+"""(x, weight, bias=None) -> x weight^T + bias, as F.linear."""
 
 
 def wanted(setting: str, dtype: torch.dtype, device_type: str) -> bool:
@@ -48,28 +52,35 @@ def fp32_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return host_gemm.linear(x, weight, bias, dtype)
 
 
-def _fp32_forward(layer: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+def _forward_through(layer: nn.Linear, product: Product) -> Callable[[torch.Tensor], torch.Tensor]:
     def forward(x: torch.Tensor) -> torch.Tensor:  # x (..., in) -> (..., out)
-        return fp32_product(x, layer.weight, layer.bias)
+        return product(x, layer.weight, layer.bias)
 
     forward.yields_to_inference = True  # decoding's few-row kernels (inference.threaded_matmul) may take over
     return forward
+
+
+def route_products(model: nn.Module, product: Product, head: Callable[[nn.Module], None]) -> int:
+    """Give every plain nn.Linear of `model` a forward through `product`, layers that run their own
+    products (LoRA's, tensor parallelism's) `product`, and let `head` set up the chunked loss head;
+    returns how many layers changed."""
+    changed = 0
+    for module in model.modules():
+        is_head, own_products = hasattr(module, "matmul_dtype"), hasattr(module, "product")
+        if type(module) is nn.Linear and "forward" not in module.__dict__:
+            module.forward = _forward_through(module, product)
+        elif not (is_head or own_products):
+            continue
+        if is_head:  # the chunked loss head (a ScoringHead), sharded or not
+            head(module)
+        if own_products:  # LoRALinear and tp's sharded layers: (x, weight, bias=None) -> x weight^T + bias
+            module.product = product
+        changed += 1
+    return changed
 
 
 def linears_in_fp32(model: nn.Module) -> int:
     """Give every plain nn.Linear of `model` the fp32-GEMM forward, layers that run their own
     products (LoRA's, tensor parallelism's) fp32 products and the chunked loss head fp32 chunk
     products; returns how many layers changed."""
-    changed = 0
-    for module in model.modules():
-        head, own_products = hasattr(module, "matmul_dtype"), hasattr(module, "product")
-        if type(module) is nn.Linear and "forward" not in module.__dict__:
-            module.forward = _fp32_forward(module)
-        elif not (head or own_products):
-            continue
-        if head:  # the chunked loss head (a ScoringHead), sharded or not
-            module.matmul_dtype = torch.float32
-        if own_products:  # LoRALinear and tp's sharded layers: (x, weight, bias=None) -> x weight^T + bias
-            module.product = fp32_product
-        changed += 1
-    return changed
+    return route_products(model, fp32_product, lambda head: setattr(head, "matmul_dtype", torch.float32))

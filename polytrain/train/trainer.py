@@ -86,6 +86,7 @@ class Trainer:
         self.fp32_attention = built.fp32_attention
         self.fp32_matmuls = built.fp32_matmuls
         self.host_attention = built.host_attention
+        self.onednn_products = built.onednn_products
         # Adapters-only checkpoints name where their frozen base comes from (set again on loading).
         lo = cfg.lora
         self.base = f"init:{cfg.run.seed}" if lo.rank and lo.only_optimize else None
@@ -434,7 +435,8 @@ class Trainer:
                 f"{self.cfg.run.steps} steps | {self.cfg.train.precision}"
                 + (" (attention on the host flash kernel)" if self.host_attention else
                    " (attention core in fp32)" if self.fp32_attention else "")
-                + (" (products as fp32 GEMMs)" if self.fp32_matmuls else "") + f" | run dir {self.run_dir}")
+                + (" (products as fp32 GEMMs)" if self.fp32_matmuls else "")
+                + (" (products on oneDNN)" if self.onednn_products else "") + f" | run dir {self.run_dir}")
 
     def _cp_name(self) -> str:
         d = self.dims

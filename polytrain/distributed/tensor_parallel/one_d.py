@@ -178,7 +178,8 @@ class VocabParallelHead(ScoringHead, nn.Module):
                              max(shard_sizes(self.out_features, self.ctx.size)))
         return linear_cross_entropy(hidden, local_shard(self.weight), bias, targets, chunk,
                                     vocab_start=self.vocab_start, group=self.ctx.group,
-                                    compile_backend=self.compile_backend, matmul_dtype=self.matmul_dtype)
+                                    compile_backend=self.compile_backend, matmul_dtype=self.matmul_dtype,
+                                    product=self.chunk_product)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         scored = self.scored_forward(h)
