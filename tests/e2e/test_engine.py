@@ -176,9 +176,13 @@ def test_script_matches_trainer_on_two_ranks_with_zero2(small_corpus, ds_config_
     assert client_state["sampler"]["consumed"] == STEPS * 8
     reference = Llama(ModelConfig(**script.MODEL, max_seq_len=64))
     load_model_weights(latest_checkpoint(trainer_run), reference)
+    # atol: 2 ranks sum gradients in another order than one process, and AdamW turns that fp32
+    # rounding into up to ~1e-5 on weights whose gradients are near 0 (the host activation kernels'
+    # rounding moved one element of 8,192 to 2.4e-6); a weight the checkpoint missed is off by what
+    # six steps at lr <= 3e-3 move it (~1e-3 to 1e-2), a misplaced one by a whole weight.
     for name, want in reference.state_dict().items():
-        torch.testing.assert_close(engine.module.state_dict()[name], want, rtol=RTOL, atol=1e-6,
-                                   msg=name)
+        torch.testing.assert_close(engine.module.state_dict()[name], want, rtol=RTOL, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.slow
