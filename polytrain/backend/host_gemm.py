@@ -99,6 +99,24 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available()
 
 
+@torch.library.custom_op("polytrain::onednn_linear", mutates_args=())
+def _traced_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's product as an operator a compiled block can hold (torch's own has no fake)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@_traced_product.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., in) @ weight (out, in).T + bias on oneDNN; eagerly without the operator's dispatch."""
+    if torch.compiler.is_compiling():
+        return _traced_product(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 class _OneDnnLinear(torch.autograd.Function):
     """x (..., in) @ weight (out, in).T + bias (out,) in fp32, forward and input gradient on oneDNN."""
 
@@ -106,7 +124,7 @@ class _OneDnnLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # (..., out)
+        return _product(x, weight, bias)  # (..., out)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -114,7 +132,7 @@ class _OneDnnLinear(torch.autograd.Function):
         want_x, want_w, want_b = ctx.needs_input_grad
         dy = grad_out.reshape(-1, grad_out.shape[-1])  # (N, out)
         if want_x:  # dy weight: oneDNN reads the weight's transpose in place
-            grad_x = torch.ops.mkldnn._linear_pointwise(dy.contiguous(), weight.t(), None, "none", [], "")
+            grad_x = _product(dy.contiguous(), weight.t(), None)
             grad_x = grad_x.view(x.shape)
         else:
             grad_x = None
@@ -129,11 +147,12 @@ MIN_ONEDNN_ROWS = 16
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) with its forward and input-gradient products on oneDNN, for fp32 host
-    tensors of at least MIN_ONEDNN_ROWS rows, x contiguous, outside autocast and torch.compile
-    (whose inductor picks its own kernels); F.linear elsewhere. x (..., in), weight (out, in), which
-    may be a transposed view (an input-gradient product passes weight.t())."""
+    tensors of at least MIN_ONEDNN_ROWS rows, x contiguous, outside autocast; F.linear elsewhere. A
+    compiled block holds the products as `polytrain::onednn_linear` operators (inductor would run
+    F.linear's on the BLAS). x (..., in), weight (out, in), which may be a transposed view (an
+    input-gradient product passes weight.t())."""
     if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
-            or torch.compiler.is_compiling() or torch.is_autocast_enabled("cpu") or not x.is_contiguous()
+            or torch.is_autocast_enabled("cpu") or not x.is_contiguous()
             or x.numel() < MIN_ONEDNN_ROWS * x.shape[-1]):
         return F.linear(x, weight, bias)
     return _OneDnnLinear.apply(x, weight, bias)

@@ -7,7 +7,7 @@ the forward and input-gradient products of training's layers 10-20% faster
 faster and stays on the BLAS). `auto` turns it on for fp32 CPU runs on such a CPU.
 
 Applied like train.matmul_fp32, from outside the model after tensor parallelism and before
-compilation (a compiled block traces F.linear: inductor picks its own kernels): every plain
+compilation (a compiled block keeps the oneDNN products as operators of its graph): every plain
 nn.Linear gets an instance forward through `onednn_linear`, layers with their own products
 (LoRA's, tensor parallelism's) take it as their `product`, and the chunked loss head as its
 chunks' `chunk_product` (the logits and the hidden states' gradient).

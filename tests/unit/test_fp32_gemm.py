@@ -58,8 +58,24 @@ def test_what_onednn_does_not_take_runs_f_linear():
         assert "OneDnn" not in type(out.grad_fn).__name__
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert host_gemm.onednn_linear(x, w, b).dtype == torch.bfloat16  # autocast's F.linear
-    compiled = torch.compile(host_gemm.onednn_linear, backend="eager", fullgraph=True)
-    torch.testing.assert_close(compiled(x, w, b), F.linear(x, w, b))
+
+
+def test_a_compiled_block_keeps_the_onednn_products_with_their_gradients():
+    """Inductor would run F.linear's products on the BLAS: the block holds oneDNN's operator instead,
+    forward and input gradient, with no graph break."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    x, w, b = _operands()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(host_gemm.onednn_linear, backend=counter, fullgraph=True)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    compiled(*leaves).square().sum().backward()
+    reference = [t.clone().requires_grad_() for t in (x, w, b)]
+    F.linear(*reference).square().sum().backward()
+    for got, want in zip(leaves, reference):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-5)
+    graph = "\n".join(g.print_readable(print_output=False) for g in counter.graphs)  # with the fwd / bwd bodies
+    assert counter.frame_count == 1 and "polytrain.onednn_linear" in graph
 
 
 def test_auto_follows_the_blas_and_other_precisions_and_devices_keep_it(monkeypatch):
