@@ -43,6 +43,7 @@ from polytrain.distributed.activation_checkpoint import apply_activation_checkpo
 from polytrain.models import ARCHITECTURES
 from polytrain.optim.builder import build_optimizer
 from polytrain.train import compiled
+from polytrain.train.build import HostPaths
 from polytrain.train.chunked_loss import LossHead
 
 # Llama 3.2 1B and Llama 3.1 8B (rope theta 500000, 128K vocabulary), and CI's tiny shape.
@@ -92,14 +93,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build(size: str, acc, device: torch.device, seq: int):
-    """A llama of `size` on `device` with the chunked loss head and fused AdamW; random N(0, 0.02) weights."""
+def build(size: str, acc, device: torch.device, seq: int, precision: str):
+    """A llama of `size` on `device` with the chunked loss head and fused AdamW, its layers on the
+    paths the trainer picks for `precision` there (on a CPU: the host attention kernel, oneDNN or
+    fp32 products; none on GPUs); random N(0, 0.02) weights."""
     overrides = ["--model.size", "small"] if size == "small" else [
         arg for k, v in SHAPES[size].items() for arg in (f"--model.{k}", str(v).lower())]
-    cfg = load_config(None, overrides + ["--model.max_seq_len", str(seq), "--data.seq_len", str(seq)])
+    cfg = load_config(None, overrides + ["--model.max_seq_len", str(seq), "--data.seq_len", str(seq),
+                                         "--train.precision", precision])
     with torch.device("meta"):
         model = ARCHITECTURES["llama"].build(cfg.model)
     model.output = LossHead.replacing(model.output)
+    HostPaths.chosen(cfg, model, device, None).apply(model)
     apply_activation_checkpointing(model, RECOMPUTE.get(size, "none"))
     model.to_empty(device=device)
     with torch.no_grad():
@@ -181,7 +186,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
     for size in args.sizes.split(","):
         try:
-            model, optimizer, cfg = build(size, acc, device, max(seqs))
+            model, optimizer, cfg = build(size, acc, device, max(seqs), args.precision)
         except torch.OutOfMemoryError:
             rows.append({"size": size, "note": "out of memory building the model"})
             print(f"{size}: out of memory building the model", flush=True)

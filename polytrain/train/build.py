@@ -138,6 +138,38 @@ def host_attention(cfg: Config, model: nn.Module, device: torch.device, cp: Cont
     return cp is None and wants_host_attention(setting, dtype, device.type, head_dims, cfg.data.seq_len)
 
 
+@dataclass(frozen=True)
+class HostPaths:
+    """Which of the host's faster paths a model's layers take: train.attention_fp32,
+    train.host_attention, train.matmul_fp32 and train.fp32_gemm as they resolve on a device
+    (all off on GPUs under `auto`). The trainer's build and benchmarks that build a model
+    themselves (gpu_mfu.py) route through this one place."""
+
+    fp32_attention: bool = False
+    host_attention: bool = False
+    fp32_matmuls: bool = False
+    onednn_products: bool = False
+
+    @classmethod
+    def chosen(cls, cfg: Config, model: nn.Module, device: torch.device, cp: ContextParallel | None) -> HostPaths:
+        dtype = AUTOCAST[cfg.train.precision]
+        return cls(fp32_attention(cfg, model, device, cp), host_attention(cfg, model, device, cp),
+                   wants_fp32_matmuls(cfg.train.matmul_fp32, dtype, device.type),
+                   wants_onednn(cfg.train.fp32_gemm, dtype, device.type))
+
+    def apply(self, stage: nn.Module) -> None:
+        """Put the paths in place in `stage`: after tensor and context parallelism, before
+        compilation (a compiled block traces what they leave) and recomputation."""
+        if self.fp32_attention:
+            attention_in_fp32(stage)  # compiled and recomputed with the casts
+        if self.host_attention:
+            attention_on_kernel(stage)  # in front of the (fp32) core, which keeps the calls it cannot take
+        if self.fp32_matmuls:
+            linears_in_fp32(stage)  # tp's sharded layers keep their own products, taking the fp32 ones
+        if self.onednn_products:
+            linears_on_onednn(stage)  # likewise (fp32 models only: never with linears_in_fp32)
+
+
 def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = None,
                 run_dir: Path | None = None, eot_id: int | None = None) -> BuiltModel:
     """`cfg.model` from the registry, laid out by `runtime` (and `pipeline`, the layout's plan).
@@ -166,23 +198,12 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
     plan = arch.tp_plan(cfg.model) if runtime.dims.tp > 1 else None
     cp = ContextParallel(runtime.cp) if runtime.cp.size > 1 or cfg.data.packed_documents else None
     tp_ctx, compiled = None, 0
-    use_fp32_attention = fp32_attention(cfg, model, runtime.device, cp)
-    use_host_attention = host_attention(cfg, model, runtime.device, cp)
-    use_fp32_matmuls = wants_fp32_matmuls(cfg.train.matmul_fp32, AUTOCAST[cfg.train.precision],
-                                         runtime.device.type)
-    use_onednn = wants_onednn(cfg.train.fp32_gemm, AUTOCAST[cfg.train.precision], runtime.device.type)
+    paths = HostPaths.chosen(cfg, model, runtime.device, cp)
     for stage in stages.values():
         if cp is not None:
             parallelize_context(stage, cp)  # first: tensor parallelism and checkpointing wrap its cores
         tp_ctx = parallelize_model(stage, plan, runtime)  # the same context kind on every stage
-        if use_fp32_attention:
-            attention_in_fp32(stage)  # compiled and recomputed with the casts
-        if use_host_attention:
-            attention_on_kernel(stage)  # in front of the (fp32) core, which keeps the calls it cannot take
-        if use_fp32_matmuls:
-            linears_in_fp32(stage)  # after tp (its sharded layers keep their own products), before compile
-        if use_onednn:
-            linears_on_onednn(stage)  # likewise (fp32 models only: never with linears_in_fp32)
+        paths.apply(stage)  # after tp (its sharded layers take the products), before compile
         compiled += compile_blocks(stage) if cfg.train.compile else 0  # tp inside, recomputation around
         apply_activation_checkpointing(stage, cfg.train.activation_checkpoint)
     timer = CompileTimer.started(compiled) if cfg.train.compile else None  # dp's hooks stay outside
@@ -214,8 +235,8 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
         loss = ModelLoss(logits_loss, head)
     else:
         loss = ContextParallelLoss(ModelLoss(sharded_logits_loss(logits_loss, cp), head), cp, eot_id)
-    return BuiltModel(model, dp, loss, runner, tp_ctx, cp, num_params, flops, adapters, timer, use_fp32_attention,
-                      use_fp32_matmuls, use_host_attention, use_onednn)
+    return BuiltModel(model, dp, loss, runner, tp_ctx, cp, num_params, flops, adapters, timer, paths.fp32_attention,
+                      paths.fp32_matmuls, paths.host_attention, paths.onednn_products)
 
 
 def place_model(runtime: Runtime, module: nn.Module, cfg: Config, seed: int) -> BuiltModel:

@@ -143,6 +143,22 @@ def test_cpu_peak_flops_is_measured_once_and_cached(monkeypatch, tmp_path):
     assert CPUAccelerator().peak_flops(torch.float32) == fp32  # a new process reads the file
 
 
+@pytest.mark.skipif(not flops.onednn_available(), reason="this build of torch has no oneDNN")
+def test_the_fp32_peak_counts_onednn_where_it_is_faster_than_the_blas(monkeypatch):
+    """train.fp32_gemm runs products on oneDNN: a peak timed on a slower BLAS alone would inflate MFU."""
+    real_mm = torch.mm
+
+    def slow_blas(a, b):  # 50 ms a product: n stays 128, 2 x 128^3 FLOPs at most ~84 MFLOP/s
+        time.sleep(0.05)
+        return real_mm(a, b)
+
+    monkeypatch.setattr(torch, "mm", slow_blas)
+    slow = 2 * 128**3 / 0.05
+    assert flops.measure_matmul_flops(torch.float32, budget_s=0.2) > 10 * slow
+    monkeypatch.setattr(flops, "onednn_available", lambda: False)
+    assert flops.measure_matmul_flops(torch.float32, budget_s=0.2) <= slow
+
+
 def test_busy_machine_measurement_is_retried_and_the_best_kept(monkeypatch, tmp_path):
     monkeypatch.setattr(flops, "_machine_is_quiet", lambda: False)
     readings = iter([1e9, 3e9, 2e9])
