@@ -36,7 +36,7 @@ from polytrain.data.needle import PasskeyDataset
 from polytrain.data.objectives import build_objective, reserved_ids
 from polytrain.distributed.context_parallel.apply import ShardedData
 from polytrain.distributed.watchdog import Watchdog, hang_directory
-from polytrain.distributed.world import max_over_world, mean_over_world, together
+from polytrain.distributed.world import barrier, max_over_world, mean_over_world, together
 from polytrain.errors import ConfigError, TrainingDiverged
 from polytrain.inference.cp_generate import generate_cp
 from polytrain.inference.generate import generate
@@ -331,6 +331,10 @@ class Trainer:
         self.checkpointer.clear_partial()
         if main:
             print(self.describe(), flush=True)
+            # A CPU's peak is timed (~1 s, longer on a busy host): here, while the others wait at the
+            # barrier, not at the first log, where their next step's watchdog would count it as a hang.
+            self._peak_flops()
+        barrier()
         bar = ProgressBar(cfg.run.steps, self.step, enabled=main)
         start = last_log_time = last_plot = time.perf_counter()
         last_log_tokens = self.sampler.consumed * cfg.data.seq_len
@@ -443,10 +447,13 @@ class Trainer:
         return f"cp {d.cp_mode}" + (f" ({d.cp_ulysses} Ulysses x {d.cp // d.cp_ulysses} ring)"
                                     if d.cp_mode == "hybrid" else "")
 
+    def _peak_flops(self) -> float | None:
+        # The peak of the GEMMs that run: products widened to fp32 (train.matmul_fp32) are held to
+        # fp32's peak, not to the emulated 16-bit GEMM's (a third of it or less), over 100%.
+        return self.acc.peak_flops(torch.float32 if self.fp32_matmuls else self.autocast_dtype)
+
     def _mfu(self, tokens_per_s: float) -> float | None:
-        # Against the peak of the GEMMs that run: products widened to fp32 (train.matmul_fp32) are
-        # held to fp32's peak, not to the emulated 16-bit GEMM's (a third of it or less), over 100%.
-        peak = self.acc.peak_flops(torch.float32 if self.fp32_matmuls else self.autocast_dtype)
+        peak = self._peak_flops()
         if not peak:
             return None
         return tokens_per_s * self.flops_per_token / (peak * self.world.world_size)
