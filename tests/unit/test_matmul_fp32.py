@@ -199,6 +199,7 @@ def test_mfu_and_the_planner_hold_widened_products_to_fp32s_peak(monkeypatch):
     peaks = {torch.float32: 100.0, torch.bfloat16: 20.0, torch.float16: 10.0}
     trainer = types.SimpleNamespace(acc=types.SimpleNamespace(peak_flops=peaks.get), flops_per_token=1.0,
                                     world=types.SimpleNamespace(world_size=2), autocast_dtype=torch.bfloat16)
+    trainer._peak_flops = lambda: Trainer._peak_flops(trainer)
     for fp32_matmuls, peak in ((True, 100.0), (False, 20.0)):
         trainer.fp32_matmuls = fp32_matmuls
         assert Trainer._mfu(trainer, 10.0) == 10.0 / (peak * 2)
