@@ -68,11 +68,12 @@ def test_a_compiled_block_keeps_the_onednn_products_with_their_gradients():
     x, w, b = _operands()
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(host_gemm.onednn_linear, backend=counter, fullgraph=True)
-    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]  # leaves, so .grad is filled
     compiled(*leaves).square().sum().backward()
-    reference = [t.clone().requires_grad_() for t in (x, w, b)]
+    reference = [t.detach().clone().requires_grad_() for t in (x, w, b)]
     F.linear(*reference).square().sum().backward()
     for got, want in zip(leaves, reference):
+        assert got.grad is not None and want.grad is not None
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-5)
     graph = "\n".join(g.print_readable(print_output=False) for g in counter.graphs)  # with the fwd / bwd bodies
     assert counter.frame_count == 1 and "polytrain.onednn_linear" in graph
