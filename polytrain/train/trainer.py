@@ -331,9 +331,10 @@ class Trainer:
         self.checkpointer.clear_partial()
         if main:
             print(self.describe(), flush=True)
-            # A CPU's peak is timed (~1 s, longer on a busy host): here, while the others wait at the
-            # barrier, not at the first log, where their next step's watchdog would count it as a hang.
-            self._peak_flops()
+        # Every rank logs MFU, and a CPU's peak is timed (~1 s a rank, one at a time under a host-wide
+        # lock; the rest read its cache once the host was quiet): here, before the barrier, not at the
+        # first log, where a rank still timing would look hung to the others' step watchdogs.
+        self._peak_flops()
         barrier()
         bar = ProgressBar(cfg.run.steps, self.step, enabled=main)
         start = last_log_time = last_plot = time.perf_counter()
