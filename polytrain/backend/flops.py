@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from polytrain.backend.host_gemm import onednn_available
+from polytrain.backend.host_gemm import onednn_available, onednn_product
 from polytrain.io.atomic import write_text_atomic
 
 # Ordered most specific first: the first key found in the device name wins, so
@@ -108,7 +108,7 @@ def measure_matmul_flops(dtype: torch.dtype, budget_s: float = 0.5) -> float:
     reps = max(1, min(4, int(budget_s / max(took, 1e-9))))
     products = [lambda: torch.mm(a, b)]
     if dtype == torch.float32 and onednn_available():  # a @ b.T: the same FLOPs
-        products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""))
+        products.append(lambda: onednn_product(a, b, None))
     best = took
     for product in products:
         product()  # warmup

@@ -110,7 +110,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def onednn_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x (..., in) @ weight (out, in).T + bias on oneDNN; eagerly without the operator's dispatch."""
     if torch.compiler.is_compiling():
         return _traced_product(x, weight, bias)
@@ -124,7 +124,7 @@ class _OneDnnLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _product(x, weight, bias)  # (..., out)
+        return onednn_product(x, weight, bias)  # (..., out)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -132,7 +132,7 @@ class _OneDnnLinear(torch.autograd.Function):
         want_x, want_w, want_b = ctx.needs_input_grad
         dy = grad_out.reshape(-1, grad_out.shape[-1])  # (N, out)
         if want_x:  # dy weight: oneDNN reads the weight's transpose in place
-            grad_x = _product(dy.contiguous(), weight.t(), None)
+            grad_x = onednn_product(dy.contiguous(), weight.t(), None)
             grad_x = grad_x.view(x.shape)
         else:
             grad_x = None

@@ -28,8 +28,6 @@ def test_one_round_of_layer_products_reports_both_libraries_with_agreeing_result
 
 
 @pytest.mark.slow
-
-
 def test_one_round_of_each_layout_trains_the_same_losses_on_either_library():
     done = subprocess.run([sys.executable, str(SCRIPT), "--size", "tiny", "--seq-len", "64", "--micro-batch", "4",
                            "--rounds", "1", "--steps", "1", "--warmup", "1"],
