@@ -36,7 +36,7 @@ def check(readme: str, results: str) -> list[str]:
             continue
         if not re.search(r"\b20\d\d-\d\d-\d\d\b", text):
             problems.append(f"{refs}: no date")
-        if not re.search(r"Recorded in commit `[0-9a-f]{7,40}`", text):
+        if not re.search(r"(Recorded in commit|Measured on) `[0-9a-f]{7,40}`", text):
             problems.append(f"{refs}: no commit")
         for script in scripts:
             if f"benchmarks/{script}.py" not in text:
