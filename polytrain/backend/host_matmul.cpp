@@ -168,7 +168,7 @@ void finish(const typename Way::X* x, const T* w, const T* bias, T* y, int64_t M
 // row read front to back beat two side by side; into L2, two passes ahead, two side by side read
 // llama 125m's weights 1.0-1.3x faster than one row at a time at 1-2 rows of x and 1.4-1.8x at
 // 4, and 1.1-1.6x faster at 8 than with the prefetch into L1 (bf16 and fp32, a 2-core Zen 4
-// EPYC; RESULTS.md, "Weight rows prefetched into L2 ...").
+// EPYC; benchmarks/RESULTS.md as of commit fc66cd9, "Weight rows prefetched into L2 ...").
 // `sums` holds the tile's partial sums, block after block (kTileN x MB each: kTileN x M in all);
 // at K they are finished into y.
 template <typename T, typename Way>
