@@ -92,8 +92,9 @@ def _process_groups() -> dict[str, list[int]]:
 
 
 def collective_log(backend_recorder: BackendRecorder | None = None) -> dict:
-    """This rank's recorded collectives (the newest RECENT), each group's status and ranks, and the
-    recorders that could not be read (`errors`; a hang report then names fewer collectives)."""
+    """This rank's recorded collectives (the newest RECENT), each group's status and ranks, and what
+    could not be read (`errors`; a hang report then names fewer collectives). Never raises: it runs
+    in the watchdog, which must still dump the stacks and end the attempt."""
     traces, errors = [], []
     for name, read in (("generic", _generic_recorder), ("backend", backend_recorder)):
         if read is None:
@@ -102,9 +103,13 @@ def collective_log(backend_recorder: BackendRecorder | None = None) -> dict:
             text = read()
             if text is not None:
                 traces.append(json.loads(text))
-        except (AttributeError, RuntimeError, ValueError) as e:  # absent from this build, or not started
+        except Exception as e:  # noqa: BLE001 (absent from this build, not started, another signature)
             errors.append(f"{name} Flight Recorder: {type(e).__name__}: {e}")
-    merged = merge_traces(traces)
-    now = time.time_ns()
-    return {"groups": _process_groups(), "entries": [_log_entry(e, now) for e in merged["entries"][-RECENT:]],
-            "status": merged["status"], "errors": errors}
+    try:
+        merged = merge_traces(traces)
+        now = time.time_ns()
+        entries, status = [_log_entry(e, now) for e in merged["entries"][-RECENT:]], merged["status"]
+    except (KeyError, TypeError, ValueError, IndexError) as e:  # a dump of another torch's format
+        entries, status = [], {}
+        errors.append(f"Flight Recorder dump not understood: {type(e).__name__}: {e}")
+    return {"groups": _process_groups(), "entries": entries, "status": status, "errors": errors}

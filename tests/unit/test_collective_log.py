@@ -52,7 +52,8 @@ def _logs(rank: int, world_size: int) -> tuple[dict, dict, list[dict]]:
     def broken() -> str:
         raise AttributeError("module has no attribute '_dump_nccl_trace_json'")
 
-    return ahead, behind, [collective_log(broken), collective_log(lambda: None)]
+    garbled = collective_log(lambda: json.dumps({"entries": [{"collective_seq_id": 1}]}))
+    return ahead, behind, [collective_log(broken), collective_log(lambda: None), garbled]
 
 
 def test_the_backend_recorder_is_merged_with_the_generic_one_and_the_report_names_its_collective(monkeypatch):
@@ -74,10 +75,13 @@ def test_the_backend_recorder_is_merged_with_the_generic_one_and_the_report_name
         "hang: rank(s) [1] did not enter collective #2 of the group of ranks [0, 1] (all_gather of [[8, 512]] "
         "BFloat16), which rank(s) [0] entered and wait in")
     # A backend recorder that is missing or has nothing leaves the generic one's collectives.
-    broken, empty = without
+    broken, empty, garbled = without
     assert [e["kind"] for e in broken["entries"]] == [e["kind"] for e in empty["entries"]] == ["all_reduce"]
     assert broken["errors"] == ["backend Flight Recorder: AttributeError: module has no attribute "
                                 "'_dump_nccl_trace_json'"] and empty["errors"] == []
+    # One it cannot make sense of is reported, not raised: the watchdog must still dump and exit.
+    assert garbled["entries"] == [] and garbled["errors"] == ["Flight Recorder dump not understood: "
+                                                              "KeyError: 'process_group'"]
 
 
 def test_cuda_has_no_flight_recorder_of_its_own_in_a_torch_built_without_nccl(monkeypatch):
