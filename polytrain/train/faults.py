@@ -35,7 +35,7 @@ def _fires(env: str, rank: int, step: int) -> bool:
 
 
 def inject_faults(rank: int, step: int) -> None:
-    """Hang or die here if a test asked this rank to at this step (see the module docstring)."""
+    """Hang, die or raise here if a test asked this rank to at this step (see the module docstring)."""
     if _fires(KILL_ENV, rank, step):
         os.kill(os.getpid(), signal.SIGKILL)
     if _fires(RAISE_ENV, rank, step):

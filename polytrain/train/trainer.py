@@ -112,7 +112,8 @@ class Trainer:
             self.step = self._load(self.resume_from)
         # Ranks that wait for each other can hang; one process cannot (nor restart to any avail).
         self.watchdog = Watchdog(hang_directory(self.run_dir), cfg.run.hang_timeout_s if
-                                 self.world.world_size > 1 else -1.0, backend_recorder=self.acc.dump_flight_recorder)
+                                 self.world.world_size > 1 else -1.0,
+                                 backend_recorder=self.acc.dump_flight_recorder)  # NCCL's, on GPUs
         self.metrics = MetricsLogger(self.run_dir, self.world.is_main, cfg.run.tensorboard,
                                      resume_step=self.step if self.resume_from else None)
 

@@ -75,6 +75,7 @@ def test_hang_then_a_killed_worker_restart_and_finish_on_three(small_corpus, tmp
     assert {d["step"] for d in dumps.values()} == {5}
     assert any("sleep(1)" in frame for frame in dumps[1]["stacks"]["MainThread"])
     assert [e for e in dumps[0]["entries"] if not e["done"]], "rank 0 waits in an unfinished collective"
+    assert dumps[0]["errors"] == [] and {e["library"] for e in dumps[0]["entries"]} == {"gloo"}
     assert_same_curve(reference, train_rows(run), "elastic 4 -> (hang) 4 -> (kill) 3")
     death = next(e["time"] for e in events if e["event"] == "failure" and e["attempt"] == 1)
     again = next(e["time"] for e in events if e["event"] == "training" and e["time"] > death)
