@@ -9,7 +9,7 @@ which each worker's local rank indexes (elastic_devices.py), and watches them:
 - all exit 0: the job is done;
 - one exits 2 (a config error it already printed): the job stops with 2;
 - one is killed by a signal (SIGKILL, the OOM killer's, a crash in C): its device is lost, the
-  others are stopped, and the job restarts with one worker fewer per lost device, on the
+  others are stopped, and the job restarts with one worker fewer for each lost device, on the
   devices left (the lost ones are no longer listed), as long as at least MIN remain;
 - one hangs (exit 3, the watchdog's: polytrain/distributed/watchdog.py) or fails otherwise (a
   Python exception): the others are stopped and the attempt restarts at the same size, on the
