@@ -90,11 +90,13 @@ def _train(argv: list[str]) -> int:
         return 0
     cfg = config_from_argv(argv)
     if cfg.parallel.nproc_min and "WORLD_SIZE" not in os.environ:
+        from polytrain.backend import get_accelerator
         from polytrain.train.elastic_launch import ElasticLauncher
 
         p = cfg.parallel
         _plan_elastic(cfg, p.nproc_min, p.nproc, nodes=1)  # a layout for every size the job may run at
-        return ElasticLauncher(p.nproc_min, p.nproc, argv, cfg.run_dir, p.max_restarts, p.nproc_start).run()
+        return ElasticLauncher(p.nproc_min, p.nproc, argv, cfg.run_dir, p.max_restarts,
+                               get_accelerator().visible_devices_env, p.nproc_start).run()
     if cfg.parallel.nproc > 1 and "WORLD_SIZE" not in os.environ:
         from polytrain.train.launch import launch_local_workers
         from polytrain.train.startup import plan_layout

@@ -52,6 +52,12 @@ class Accelerator(ABC):
     vendor_module: str | None = None
     """The package that adds this device to torch (e.g. 'torch_npu'), or None where torch itself
     drives it. Imported only when the device is probed or used, never at polytrain import."""
+    visible_devices_env: str = "POLYTRAIN_VISIBLE_DEVICES"
+    """The environment variable that limits which of these devices a process sees (a
+    comma-separated list of ids, e.g. CUDA_VISIBLE_DEVICES); a process's device i is the i-th
+    listed. The elastic launcher lists the surviving devices in it when it restarts a job without
+    a lost one. Devices without such a variable (the host CPU) keep polytrain's, which only the
+    launcher and its workers read."""
     reduce_scatter_by_all_reduce: bool = False
     """Whether data parallelism reduce-scatters gradients as an all-reduce of the whole buffer
     (each rank keeps its piece): twice the bytes, but faster where the backend's
@@ -129,6 +135,12 @@ class Accelerator(ABC):
     @abstractmethod
     def device_name(self) -> str:
         """Product name of the current device, e.g. 'NVIDIA H200' or the CPU model."""
+
+    def dump_flight_recorder(self) -> str | None:
+        """The collective library's own Flight Recorder as torch's JSON dump (entries, pg_status),
+        for a library that records apart from torch's generic recorder (NCCL); None where it has
+        none of its own (gloo's collectives are in the generic one, which the watchdog reads too)."""
+        return None
 
     def timer(self) -> Timer:
         """A `with` timer whose `elapsed_s` counts device work queued inside the block."""

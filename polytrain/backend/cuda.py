@@ -32,6 +32,8 @@ class CUDAAccelerator(TorchDeviceAccelerator):
     name = "cuda"
     device_type = "cuda"
     dist_backend = "nccl"  # on ROCm torch maps this to RCCL
+    # ROCm's runtime has its own, HIP_VISIBLE_DEVICES (CUDA_VISIBLE_DEVICES only as an alias of it).
+    visible_devices_env = "HIP_VISIBLE_DEVICES" if torch.version.hip else "CUDA_VISIBLE_DEVICES"
 
     @classmethod
     def module(cls) -> ModuleType:
@@ -46,6 +48,13 @@ class CUDAAccelerator(TorchDeviceAccelerator):
         if not torch.backends.cuda.is_built():
             return f"this torch ({torch.__version__}) was built without CUDA or ROCm"
         return "torch sees no GPU (driver, CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES?)"
+
+    def dump_flight_recorder(self) -> str | None:
+        """NCCL's (RCCL's) Flight Recorder, where ProcessGroupNCCL records its collectives; None
+        from a torch built without NCCL, which has no such function."""
+        c10d = getattr(torch._C, "_distributed_c10d", None)
+        dump = getattr(c10d, "_dump_nccl_trace_json", None)
+        return None if dump is None else dump(True, False)  # every collective, not only the active ones
 
     def autocast_dtypes(self) -> tuple[torch.dtype, ...]:
         """bf16 where the GPU has native bf16 (Ampere+, CDNA2+), and fp16 everywhere."""

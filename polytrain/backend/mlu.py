@@ -11,4 +11,5 @@ class MLUAccelerator(TorchDeviceAccelerator):
     name = "mlu"
     device_type = "mlu"
     dist_backend = "cncl"
+    visible_devices_env = "MLU_VISIBLE_DEVICES"
     vendor_module = "torch_mlu"

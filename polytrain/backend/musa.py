@@ -11,4 +11,5 @@ class MUSAAccelerator(TorchDeviceAccelerator):
     name = "musa"
     device_type = "musa"
     dist_backend = "mccl"
+    visible_devices_env = "MUSA_VISIBLE_DEVICES"
     vendor_module = "torch_musa"

@@ -11,4 +11,5 @@ class NPUAccelerator(TorchDeviceAccelerator):
     name = "npu"
     device_type = "npu"
     dist_backend = "hccl"
+    visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
     vendor_module = "torch_npu"

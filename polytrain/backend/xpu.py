@@ -11,3 +11,4 @@ class XPUAccelerator(TorchDeviceAccelerator):
     name = "xpu"
     device_type = "xpu"
     dist_backend = "xccl"
+    visible_devices_env = "ZE_AFFINITY_MASK"  # Level Zero's device list

@@ -234,7 +234,7 @@ class ParallelConfig:
     elastic: bool = False
     """Fit the layout to whatever world an elastic agent starts, keeping the global batch (--parallel.nproc MIN:MAX sets it)."""
     max_restarts: int = 3
-    """Elastic: restarts the local launcher may make (a worker lost or added, a hang)."""
+    """Elastic: restarts the local launcher may make (a device lost, workers added, a hang, a worker's exception)."""
     dp: int = -1
     """Data-parallel degree; -1 = whatever the world size leaves."""
     zero: int = field(default=0, metadata={"choices": (0, 1, 2, 3)})

@@ -7,9 +7,10 @@
 When a watched section outlives its timeout, the watchdog of that rank
 
 1. writes `hang/attempt_<n>/rank_<r>.json` (n counts the elastic agent's restarts): the
-   Python stack of every thread, the rank's last collectives from torch's Flight Recorder
-   (kind, process group and its ranks, sizes, dtypes, sequence number, whether it
-   finished) and each group's last sequence numbers;
+   Python stack of every thread, the rank's last collectives from torch's Flight Recorders
+   (collective_log.py: the generic one and the collective library's own, NCCL's on GPUs;
+   kind, process group and its ranks, sizes, dtypes, sequence number, whether it finished)
+   and each group's last sequence numbers;
 2. writes the marker `FIRED` there, which every other rank's watchdog notices within
    0.2 s and dumps too (so all dumps are of the same moment, a shared run directory
    across nodes included), waits a little for their dumps, and the first rank to see them
@@ -28,10 +29,6 @@ each name gets at least FIRST_S either way: it also builds, shards and warms up,
 can take minutes. Files left in the directory by an earlier round of the same attempt
 number (torchrun's membership restarts keep the count) are older than this process and
 ignored.
-
-The collective log is the Flight Recorder's ring buffer (TORCH_FR_BUFFER_SIZE, set by
-init_world before the process group starts): a few hundred bytes per collective, recorded
-in C++, read only when a watchdog fires.
 """
 
 from __future__ import annotations
@@ -48,9 +45,9 @@ import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
+from polytrain.distributed.collective_log import BackendRecorder, collective_log
 from polytrain.distributed.hang_report import analyse, format_report
 
 EXIT_HANG = 3
@@ -59,40 +56,8 @@ MIN_S = 60.0
 FIRST_S = 900.0
 GRACE_S = 10.0
 """How long a firing watchdog waits for the other ranks' dumps before reporting without them."""
-RECENT = 64
-"""Collectives per rank kept in a dump (the newest)."""
 FIRED = "FIRED"
 """Marker the first rank to fire writes; the others' watchdogs see it and dump at once."""
-FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
-FR_BUFFER_DEFAULT = "2000"
-
-
-def enable_collective_log() -> None:
-    """Turn on torch's Flight Recorder for the process groups created after this (unless set already)."""
-    os.environ.setdefault(FR_BUFFER_ENV, FR_BUFFER_DEFAULT)
-
-
-def collective_log() -> dict:
-    """This rank's Flight Recorder entries and group status, and each process group's ranks."""
-    groups = {}
-    if dist.is_initialized():
-        from torch.distributed import distributed_c10d as c10d
-
-        for group, name in c10d._world.pg_names.items():
-            with contextlib.suppress(Exception):  # a group this rank is not in has no ranks to give
-                groups[name] = dist.get_process_group_ranks(group)
-    try:
-        trace = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, False))
-    except (AttributeError, RuntimeError, ValueError) as e:
-        return {"groups": groups, "entries": [], "status": {}, "error": f"no Flight Recorder: {e}"}
-    now = time.time_ns()
-    entries = [{"seq": e["collective_seq_id"], "p2p_seq": e["p2p_seq_id"], "p2p": e["is_p2p"],
-                "group": e["process_group"][0], "kind": e["profiling_name"].split(":")[-1],
-                "sizes": e["input_sizes"], "dtypes": e["input_dtypes"], "done": bool(e["retired"]),
-                "age_s": round((now - e["time_created_ns"]) / 1e9, 3)} for e in trace.get("entries", [])]
-    status = {name: {"enqueued": int(s["last_enqueued_collective"]), "completed": int(s["last_completed_collective"])}
-              for name, s in trace.get("pg_status", {}).items()}
-    return {"groups": groups, "entries": entries[-RECENT:], "status": status}
 
 
 def python_stacks() -> dict[str, list[str]]:
@@ -114,8 +79,11 @@ def hang_directory(run_dir: Path) -> Path:
 class Watchdog:
     """One rank's watchdog (see the module docstring)."""
 
-    def __init__(self, directory: Path, timeout_s: float = 0.0, grace_s: float = GRACE_S):
+    def __init__(self, directory: Path, timeout_s: float = 0.0, grace_s: float = GRACE_S,
+                 backend_recorder: BackendRecorder | None = None):
+        """`backend_recorder`: the accelerator's `dump_flight_recorder`, read with torch's generic recorder."""
         self.directory = Path(directory)
+        self.backend_recorder = backend_recorder
         self.timeout_s, self.grace_s = timeout_s, grace_s
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -198,7 +166,7 @@ class Watchdog:
         since = _mtime(marker) - self.grace_s  # dumps of this round, not a previous one's
         dump = {"rank": self.rank, "world_size": self.world, "host": socket.gethostname(), "pid": os.getpid(),
                 "section": section, "step": step, "waited_s": round(waited, 3), "timeout_s": timeout,
-                "stacks": python_stacks(), **collective_log()}
+                "stacks": python_stacks(), **collective_log(self.backend_recorder)}
         path = self.directory / f"rank_{self.rank}.json"
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(dump, indent=1))

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from polytrain.backend.base import Accelerator
-from polytrain.distributed.watchdog import enable_collective_log
+from polytrain.distributed.collective_log import enable_collective_log
 from polytrain.errors import PolytrainError
 
 T = TypeVar("T")

@@ -2,6 +2,8 @@
 
     POLYTRAIN_TEST_HANG="RANK:STEP[:ATTEMPT]"   that rank stops before the step's collectives
     POLYTRAIN_TEST_KILL="RANK:STEP[:ATTEMPT]"   that rank SIGKILLs itself at the start of the step
+    POLYTRAIN_TEST_RAISE="RANK:STEP[:ATTEMPT]"  that rank raises a RuntimeError there (a bug, not a
+                                                lost device)
                                                 (';' separates several points)
     POLYTRAIN_TEST_WAIT_FOR_WORLD="WORLD:STEP"  every rank waits at that step until the job has WORLD
                                                 ranks (an elastic agent restarts it when workers join)
@@ -18,6 +20,7 @@ import time
 
 HANG_ENV = "POLYTRAIN_TEST_HANG"
 KILL_ENV = "POLYTRAIN_TEST_KILL"
+RAISE_ENV = "POLYTRAIN_TEST_RAISE"
 WAIT_ENV = "POLYTRAIN_TEST_WAIT_FOR_WORLD"
 
 
@@ -32,9 +35,11 @@ def _fires(env: str, rank: int, step: int) -> bool:
 
 
 def inject_faults(rank: int, step: int) -> None:
-    """Hang or die here if a test asked this rank to at this step (see the module docstring)."""
+    """Hang, die or raise here if a test asked this rank to at this step (see the module docstring)."""
     if _fires(KILL_ENV, rank, step):
         os.kill(os.getpid(), signal.SIGKILL)
+    if _fires(RAISE_ENV, rank, step):
+        raise RuntimeError(f"{RAISE_ENV}: rank {rank} fails at step {step}")
     if _fires(HANG_ENV, rank, step):
         while True:  # never reaches the step's collectives; the others wait in them
             time.sleep(1)

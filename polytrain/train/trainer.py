@@ -112,7 +112,8 @@ class Trainer:
             self.step = self._load(self.resume_from)
         # Ranks that wait for each other can hang; one process cannot (nor restart to any avail).
         self.watchdog = Watchdog(hang_directory(self.run_dir), cfg.run.hang_timeout_s if
-                                 self.world.world_size > 1 else -1.0)
+                                 self.world.world_size > 1 else -1.0,
+                                 backend_recorder=self.acc.dump_flight_recorder)  # NCCL's, on GPUs
         self.metrics = MetricsLogger(self.run_dir, self.world.is_main, cfg.run.tensorboard,
                                      resume_step=self.step if self.resume_from else None)
 
@@ -264,7 +265,7 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the global batch; returns the step's loss, grad norm and lr."""
         self.model.train()
-        inject_faults(self.world.rank, self.step + 1)  # tests only: hang or die as asked
+        inject_faults(self.world.rank, self.step + 1)  # tests only: hang, die or raise as asked
         size = self.batch_schedule.at(self.sampler.consumed)
         local = self.sampler.next_batch(size)  # this rank's size / dp sample indices
         loss_value = self._forward_backward(self.batch.micro_batches(local))
@@ -342,6 +343,10 @@ class Trainer:
         first_val = last_val = None
         saved_step = self.step if self.resume_from else None
         first_step, elastic = self.step, cfg.parallel.elastic or os.environ.get(ELASTIC_ENV) == "1"
+        if os.environ.get(ELASTIC_ENV) == "1":  # the local launcher's workers: which device each ran on
+            record_event(self.run_dir, "worker", attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                         rank=self.world.rank, local_rank=self.world.local_rank,
+                         visible_devices=os.environ.get(self.acc.visible_devices_env))
         if self.step == 0:
             first_val = last_val = self.evaluate()
             self.metrics.log({"step": 0, "val_loss": last_val, "time": 0.0})

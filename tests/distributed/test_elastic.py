@@ -18,7 +18,7 @@ import pytest
 
 from polytrain.cli import main
 from polytrain.train.elastic_launch import read_events
-from polytrain.train.faults import HANG_ENV, KILL_ENV, WAIT_ENV
+from polytrain.train.faults import HANG_ENV, KILL_ENV, RAISE_ENV, WAIT_ENV
 from polytrain.train.snapshot import newest_resume_point
 from tests.conftest import tiny_overrides
 from tests.distributed.test_parity import train, train_rows
@@ -44,19 +44,29 @@ def reference(small_corpus, tmp_path_factory):
     return train_rows(run)
 
 
+def devices_seen(events: list[dict], attempt: int) -> list[str]:
+    """The device each worker of the attempt ran on, by rank: its local rank's entry in the visibility
+    list it was given."""
+    workers = sorted((e for e in events if e["event"] == "worker" and e["attempt"] == attempt),
+                     key=lambda e: e["rank"])
+    return [w["visible_devices"].split(",")[w["local_rank"]] for w in workers]
+
+
 def test_hang_then_a_killed_worker_restart_and_finish_on_three(small_corpus, tmp_path, reference, monkeypatch):
     """4 workers; rank 1 hangs at step 5 (every rank's watchdog dumps, the report names rank 1 and the
-    collective the others wait in, and the attempt restarts at 4 from the step-4 snapshot); in that attempt rank 3 is SIGKILLed at step 12: the job finishes on 3 workers
-    from the step-8 snapshot."""
+    collective the others wait in, and the attempt restarts at 4 from the step-4 snapshot, on the same
+    devices); in that attempt rank 1 is SIGKILLed at step 12: the job finishes on 3 workers from the
+    step-8 snapshot, on the other three devices."""
     run = tmp_path / "run"
     monkeypatch.setenv(HANG_ENV, "1:5:0")
-    monkeypatch.setenv(KILL_ENV, "3:12:1")
+    monkeypatch.setenv(KILL_ENV, "1:12:1")
     args = tiny_overrides(small_corpus, run, run__steps=STEPS, checkpoint__snapshot_every=4,
                           run__hang_timeout_s=5, **BATCH)
     assert main(["train", *args, "--parallel.nproc", "2:4"]) == 0
     events = read_events(run)
     assert [(e["attempt"], e["world"]) for e in events if e["event"] == "start"] == [(0, 4), (1, 4), (2, 3)]
     assert [e["step"] for e in events if e["event"] == "training"] == [1, 5, 9]  # resumed at 4 and at 8
+    assert [devices_seen(events, a) for a in range(3)] == [["0", "1", "2", "3"]] * 2 + [["0", "2", "3"]]
     hang = run / "hang" / "attempt_0"  # the watchdog's dumps of the attempt that hung
     report = (hang / "report.txt").read_text()
     assert report.startswith("hang: rank(s) [1] did not enter collective #"), report
@@ -65,16 +75,20 @@ def test_hang_then_a_killed_worker_restart_and_finish_on_three(small_corpus, tmp
     assert {d["step"] for d in dumps.values()} == {5}
     assert any("sleep(1)" in frame for frame in dumps[1]["stacks"]["MainThread"])
     assert [e for e in dumps[0]["entries"] if not e["done"]], "rank 0 waits in an unfinished collective"
+    assert dumps[0]["errors"] == [] and {e["library"] for e in dumps[0]["entries"]} == {"gloo"}
     assert_same_curve(reference, train_rows(run), "elastic 4 -> (hang) 4 -> (kill) 3")
     death = next(e["time"] for e in events if e["event"] == "failure" and e["attempt"] == 1)
     again = next(e["time"] for e in events if e["event"] == "training" and e["time"] > death)
     print(f"death to training again: {again - death:.1f} s")
 
 
-def test_workers_joining_grow_the_job_from_two_to_four(small_corpus, tmp_path, reference, monkeypatch):
-    """The job starts with 2 of its 4 workers; once it trains, SIGUSR1 to the launcher says the other
-    two are free: the job (held at step 11 until then) restarts at 4 from its step-10 snapshot."""
+def test_an_exception_restarts_at_the_same_size_and_workers_joining_grow_the_job(small_corpus, tmp_path, reference,
+                                                                                 monkeypatch):
+    """The job starts with 2 of its 4 workers; rank 1 raises at step 7, which loses no device: the job
+    restarts at 2 from its step-5 snapshot. Once it trains, SIGUSR1 to the launcher says the other two
+    are free: the job (held at step 11 until then) restarts at 4 from its step-10 snapshot."""
     run = tmp_path / "run"
+    monkeypatch.setenv(RAISE_ENV, "1:7:0")
     monkeypatch.setenv(WAIT_ENV, "4:11")
     args = tiny_overrides(small_corpus, run, run__steps=STEPS, checkpoint__snapshot_every=5,
                           parallel__nproc_start=2, **BATCH)
@@ -95,9 +109,11 @@ def test_workers_joining_grow_the_job_from_two_to_four(small_corpus, tmp_path, r
     threading.Thread(target=join_at_step_ten, daemon=True).start()
     assert main(["train", *args, "--parallel.nproc", "2:4"]) == 0
     events = read_events(run)
-    assert [(e["attempt"], e["world"]) for e in events if e["event"] == "start"] == [(0, 2), (1, 4)]
-    assert [e["step"] for e in events if e["event"] == "training"] == [1, 11]
-    assert_same_curve(reference, train_rows(run), "elastic 2 -> (join) 4")
+    assert [(e["attempt"], e["world"]) for e in events if e["event"] == "start"] == [(0, 2), (1, 2), (2, 4)]
+    assert [e["verdict"] for e in events if e["event"] == "failure"] == ["error"]
+    assert [e["step"] for e in events if e["event"] == "training"] == [1, 6, 11]
+    assert [devices_seen(events, a) for a in range(3)] == [["0", "1"], ["0", "1"], ["0", "1", "2", "3"]]
+    assert_same_curve(reference, train_rows(run), "elastic 2 -> (exception) 2 -> (join) 4")
 
 
 def test_a_global_batch_a_smaller_world_cannot_keep_is_refused(small_corpus, tmp_path, capsys):
