@@ -128,9 +128,9 @@ def measured_peak(dtype: torch.dtype, device: torch.device | None = None,
             flops = measure_matmul_flops(dtype, device=device, synchronize=synchronize)
             # A device's rate does not depend on the host's load; a CPU's does.
             quiet = _machine_is_quiet() if on_cpu else True
-            entry = {"flops": max(flops, entry.get("flops", 0.0)), "runs": entry.get("runs", 0) + 1,
-                     "quiet_runs": entry.get("quiet_runs", 0) + int(quiet), "step_flops": entry.get("step_flops", 0.0),
-                     "dtype": _DTYPE_NAMES.get(dtype, str(dtype)),
+            entry = {"flops": max(flops, entry.get("flops", 0.0)),  # only ever raised
+                     "runs": entry.get("runs", 0) + 1, "quiet_runs": entry.get("quiet_runs", 0) + int(quiet),
+                     "step_flops": entry.get("step_flops", 0.0), "dtype": _DTYPE_NAMES.get(dtype, str(dtype)),
                      "on": "this CPU" if on_cpu else f"this {name} (not in the datasheet table)"}
             cache[key] = entry
     return _peak(key, entry)
