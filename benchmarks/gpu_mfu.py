@@ -20,8 +20,10 @@ every length runs again (the first compiled step's extra time is the compile cos
     MFU       = tokens/s x F / peak,  F = 6 N + 12 L w T  (PaLM appendix B: N = parameters
                 without the embedding table (the tied head counts), L blocks, w = heads x
                 head size, T = sequence length; recomputation is not counted)
-    peak      = the accelerator's dense datasheet FLOP/s for the dtype (H100 / H200 SXM: 989e12
-                bf16), or on a CPU a measured matmul (polytrain/backend/flops.py)
+    peak      = the trainer's: the accelerator's dense datasheet FLOP/s for the dtype of its GEMMs
+                (H100 / H200 SXM: 989e12 bf16), or on a CPU and on devices the table lacks the best
+                matmul rate measured there over runs (polytrain/backend/peak.py, flops.py); a row
+                faster than a measured peak raises it, so MFU never exceeds 1 (polytrain/train/mfu.py)
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ from polytrain.optim.builder import build_optimizer
 from polytrain.train import compiled
 from polytrain.train.build import HostPaths
 from polytrain.train.chunked_loss import LossHead
+from polytrain.train.matmul_fp32 import wanted as wants_fp32_matmuls
+from polytrain.train.mfu import MFU, gemm_dtype
 
 # Llama 3.2 1B and Llama 3.1 8B (rope theta 500000, 128K vocabulary), and CI's tiny shape.
 SHAPES = {
@@ -177,13 +181,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         acc = CPUAccelerator()
     device = acc.device(0)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.precision]
-    peak = acc.peak_flops(dtype)
+    meter = MFU(acc.peak(gemm_dtype(dtype, wants_fp32_matmuls(TrainConfig().matmul_fp32, dtype, device.type))))
     compiled.BACKEND = args.backend
     seqs = [int(s) for s in args.seqs.split(",")]
     modes = [m == "on" for m in args.compile.split(",")]
     rows: list[dict] = []
-    print(f"{acc.describe()} | peak {peak / 1e12 if peak else float('nan'):.1f} TFLOP/s ({args.precision}) | "
-          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"{acc.describe()} | {meter.describe()} | load average {os.getloadavg()[0]:.1f}", flush=True)
     for size in args.sizes.split(","):
         try:
             model, optimizer, cfg = build(size, acc, device, max(seqs), args.precision)
@@ -205,7 +208,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     compiling_before = timer.seconds if use_compile else 0.0
                     try:
                         row.update(measure(model, optimizer, acc, dtype, args, seq, cfg.model.vocab_size, device))
-                        row["mfu"] = row["tokens_per_s"] * row["flops_per_token"] / peak if peak else None
+                        row["mfu"], note = meter.of(row["tokens_per_s"] * row["flops_per_token"])
+                        if note:
+                            print(note, flush=True)
                         if use_compile:
                             row["compile_s"] = timer.seconds - compiling_before
                             row["graph_breaks"] = timer.breaks
@@ -220,7 +225,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         del model, optimizer
         if device.type != "cpu":
             getattr(torch, device.type).empty_cache()
-    print(report(rows, acc, peak, args, time.perf_counter() - began))
+    print(report(rows, acc, meter, args, time.perf_counter() - began))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return rows
@@ -235,7 +240,7 @@ def format_row(row: dict) -> str:
             f"peak {row['peak_mem_gib']:.1f} GiB, first step {row['first_step_s']:.1f} s, loss {row['loss']:.3f}")
 
 
-def report(rows: list[dict], acc, peak, args, wall: float) -> str:
+def report(rows: list[dict], acc, meter: MFU, args, wall: float) -> str:
     """The markdown block for benchmarks/RESULTS.md."""
     lines = [f"{datetime.date.today()}, {acc.describe()}, load average {os.getloadavg()[0]:.1f}, {wall:.0f} s.",
              f"`python benchmarks/gpu_mfu.py {' '.join(sys.argv[1:])}`", "",
@@ -255,8 +260,7 @@ def report(rows: list[dict], acc, peak, args, wall: float) -> str:
         if r.get("profile"):
             kinds = ", ".join(f"{k} {f:.0%}" for k, f in r["profile"])
             lines.append(f"\nprofile {r['size']} seq {r['seq']} compile {'on' if r['compile'] else 'off'}: {kinds}")
-    if peak:
-        lines.append(f"\npeak {peak / 1e12:.1f} TFLOP/s ({args.precision}); F = 6N + 12 L w T per token")
+    lines.append(f"\n{meter.describe()}; F = 6N + 12 L w T per token")
     return "\n".join(lines)
 
 

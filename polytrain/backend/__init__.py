@@ -18,7 +18,8 @@ import os
 from polytrain.backend.base import Accelerator, Timer
 from polytrain.backend.cpu import CPUAccelerator
 from polytrain.backend.cuda import CUDAAccelerator
-from polytrain.backend.flops import cache_dir, gpu_peak_flops
+from polytrain.backend.flops import cache_dir
+from polytrain.backend.peak import Peak, datasheet_peak
 from polytrain.backend.registry import ACCELERATORS, ENTRY_POINT_GROUP, accelerators
 from polytrain.backend.torch_device import TorchDeviceAccelerator
 from polytrain.errors import AcceleratorUnavailable, ConfigError
@@ -58,10 +59,11 @@ __all__ = [
     "CUDAAccelerator",
     "ENTRY_POINT_GROUP",
     "ENV_VAR",
+    "Peak",
     "Timer",
     "TorchDeviceAccelerator",
     "accelerators",
     "cache_dir",
-    "gpu_peak_flops",
+    "datasheet_peak",
     "get_accelerator",
 ]

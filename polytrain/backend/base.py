@@ -13,6 +13,9 @@ from typing import Any, ContextManager
 
 import torch
 
+from polytrain.backend.flops import measured_peak
+from polytrain.backend.peak import Peak, datasheet_peak
+
 
 class Timer:
     """Wall-clock timer for a `with` block; `elapsed_s` is valid once the block has exited.
@@ -125,10 +128,6 @@ class Accelerator(ABC):
         """Reduced-precision dtypes `autocast` supports on this device."""
 
     @abstractmethod
-    def peak_flops(self, dtype: torch.dtype) -> float | None:
-        """Dense peak FLOP/s of one device for matmuls in `dtype`; None if unknown."""
-
-    @abstractmethod
     def pin_memory_available(self) -> bool:
         """Whether host memory can be page-locked for asynchronous copies to and from the device."""
 
@@ -141,6 +140,24 @@ class Accelerator(ABC):
         for a library that records apart from torch's generic recorder (NCCL); None where it has
         none of its own (gloo's collectives are in the generic one, which the watchdog reads too)."""
         return None
+
+    def peak(self, dtype: torch.dtype) -> Peak:
+        """The peak matmul FLOP/s of one device in `dtype` that MFU divides by, and its source: the
+        device's dense datasheet figure, else the best measured on it over runs (cached; flops.py)."""
+        return self.datasheet_peak(dtype) or self.measured_peak(dtype)
+
+    def datasheet_peak(self, dtype: torch.dtype) -> Peak | None:
+        """This device's dense datasheet peak by its product name (peak.py's table); None if unknown."""
+        return datasheet_peak(self.device_name(), dtype)
+
+    def measured_peak(self, dtype: torch.dtype) -> Peak:
+        """The best matmul FLOP/s measured on the current device, timed at most once per process."""
+        # Per float32 matmul precision too: it lets float32 products run at another rate.
+        key = (dtype, torch.get_float32_matmul_precision())
+        peaks = self.__dict__.setdefault("_measured_peaks", {})
+        if key not in peaks:
+            peaks[key] = measured_peak(dtype, self.device(), self.synchronize, self.device_name())
+        return peaks[key]
 
     def timer(self) -> Timer:
         """A `with` timer whose `elapsed_s` counts device work queued inside the block."""

@@ -8,8 +8,9 @@ import warnings
 import torch
 
 from polytrain.backend.base import Accelerator
-from polytrain.backend.flops import cpu_model, cpu_peak_flops
+from polytrain.backend.flops import cpu_model
 from polytrain.backend.host_device import HostDevice, peak_rss_bytes, reset_peak_rss, rss_bytes
+from polytrain.backend.peak import Peak
 
 _GIB = 2**30
 
@@ -24,7 +25,6 @@ class CPUAccelerator(Accelerator):
     reduce_scatter_by_all_reduce = True
 
     def __init__(self) -> None:
-        self._peak_flops: dict[torch.dtype, float] = {}
         self._host = HostDevice()  # one, so the current device and stream it keeps persist
 
     @classmethod
@@ -82,12 +82,9 @@ class CPUAccelerator(Accelerator):
                 dtypes.append(torch.float16)
         return tuple(dtypes)
 
-    def peak_flops(self, dtype: torch.dtype) -> float | None:
-        """Measured once per machine, thread count, torch version and dtype (see flops.py);
-        remembered here too, since the trainer asks at every log step."""
-        if dtype not in self._peak_flops:
-            self._peak_flops[dtype] = cpu_peak_flops(dtype)
-        return self._peak_flops[dtype]
+    def datasheet_peak(self, dtype: torch.dtype) -> Peak | None:
+        """None: a CPU's rate depends on its SIMD units, clocks under load and the threads; it is measured."""
+        return None
 
     def pin_memory_available(self) -> bool:
         """False: the device is host memory, so there is nothing to copy to (and no pinning API)."""

@@ -6,7 +6,7 @@ from types import ModuleType
 
 import torch
 
-from polytrain.backend.flops import gpu_peak_flops
+from polytrain.backend.peak import Peak, datasheet_peak
 from polytrain.backend.torch_device import TorchDeviceAccelerator
 
 # The real torch.cuda, taken when polytrain.backend is first imported: the CUDA shim
@@ -62,9 +62,9 @@ class CUDAAccelerator(TorchDeviceAccelerator):
             return (torch.bfloat16, torch.float16)
         return (torch.float16,)
 
-    def peak_flops(self, dtype: torch.dtype) -> float | None:
+    def datasheet_peak(self, dtype: torch.dtype) -> Peak | None:
         """Datasheet peak of the current GPU (TF32 rate for float32 when TF32 is enabled)."""
-        return gpu_peak_flops(self.device_name(), dtype, tf32=_tf32_enabled())
+        return datasheet_peak(self.device_name(), dtype, tf32=_tf32_enabled())
 
     def describe(self) -> str:
         """One line for logs: GPU count, model, memory, CUDA or ROCm version and torch version."""

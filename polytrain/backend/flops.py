@@ -1,8 +1,12 @@
-"""Peak matmul FLOP/s, the denominator of MFU: a datasheet table for GPUs, a measurement for CPUs.
+"""Measured peak matmul FLOP/s: MFU's denominator on CPUs and on devices the datasheet table
+(peak.py) does not know.
 
-All GPU figures are dense (no 2:4 structured sparsity), per device, at boost clock, from the
-vendors' datasheets. CPUs have no useful datasheet number (it depends on SIMD width, clocks
-under load and the thread count), so we time a matmul once and cache the result.
+A CPU has no useful datasheet number (it depends on SIMD width, clocks under load and the thread
+count), so we time matmuls and cache the best figure per (device, threads, torch, dtype) in
+$POLYTRAIN_CACHE/peak_flops.json. A measurement is only ever a lower bound on the true peak (a
+busy host, a cold clock), so the cached figure only rises: the first SETTLED_RUNS runs on a quiet
+host each time it again and keep the best, and a training step faster than the figure raises it
+(raise_measured_peak): an MFU above 100% is the proof the peak was low.
 """
 
 from __future__ import annotations
@@ -11,63 +15,22 @@ import contextlib
 import json
 import os
 import platform
-import re
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from polytrain.backend.host_gemm import onednn_available, onednn_product
+from polytrain.backend.peak import Peak
 from polytrain.io.atomic import write_text_atomic
 
-# Ordered most specific first: the first key found in the device name wins, so
-# "H100 NVL" must precede "H100" and "A100" must precede "A10".
-_GPU_PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
-    ("GH200", {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12}),
-    ("H200 NVL", {"bf16": 835e12, "fp16": 835e12, "tf32": 417.5e12, "fp32": 60e12}),
-    ("H200", {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12}),
-    ("H100 NVL", {"bf16": 835e12, "fp16": 835e12, "tf32": 417.5e12, "fp32": 60e12}),
-    ("H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12}),
-    ("H100", {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12}),  # SXM
-    ("A100", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
-    # AWS's A10G runs tensor math with fp32 accumulation at half the A10's rate.
-    ("A10G", {"bf16": 70e12, "fp16": 70e12, "tf32": 35e12, "fp32": 31.2e12}),
-    ("A10", {"bf16": 125e12, "fp16": 125e12, "tf32": 62.5e12, "fp32": 31.2e12}),
-    ("L40S", {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12, "fp32": 91.6e12}),
-    ("L40", {"bf16": 181e12, "fp16": 181e12, "tf32": 90.5e12, "fp32": 90.5e12}),
-    ("L4", {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12}),
-    ("RTX 4090", {"bf16": 165e12, "fp16": 165e12, "tf32": 82.6e12, "fp32": 82.6e12}),
-    ("RTX 3090", {"bf16": 71e12, "fp16": 71e12, "tf32": 35.6e12, "fp32": 35.6e12}),
-    ("V100", {"fp16": 125e12, "fp32": 15.7e12}),  # no bf16 tensor cores
-    ("T4", {"fp16": 65e12, "fp32": 8.1e12}),
-    ("MI325X", {"bf16": 1307e12, "fp16": 1307e12, "tf32": 653.7e12, "fp32": 163.4e12}),
-    ("MI300X", {"bf16": 1307e12, "fp16": 1307e12, "tf32": 653.7e12, "fp32": 163.4e12}),
-    ("MI300A", {"bf16": 980.6e12, "fp16": 980.6e12, "tf32": 490.3e12, "fp32": 122.6e12}),
-    ("MI250X", {"bf16": 383e12, "fp16": 383e12, "fp32": 95.7e12}),  # fp32 = matrix cores
-    ("MI250", {"bf16": 362.1e12, "fp16": 362.1e12, "fp32": 90.5e12}),
-]
-
-_DTYPE_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-
-
-def gpu_peak_flops(name: str, dtype: torch.dtype, tf32: bool = False) -> float | None:
-    """Datasheet dense peak FLOP/s for a GPU product name, or None if the GPU or dtype is unknown.
-
-    `tf32=True` asks for the TF32 tensor-core rate of float32 matmuls (falls back to plain
-    fp32 on GPUs without TF32).
-    """
-    key = _DTYPE_KEYS.get(dtype)
-    if key is None:
-        return None
-    for product, peaks in _GPU_PEAK_FLOPS:
-        # Word boundaries so "T4" does not match inside other names.
-        if re.search(rf"\b{re.escape(product)}\b", name, re.IGNORECASE):
-            if tf32 and key == "fp32" and "tf32" in peaks:
-                return peaks["tf32"]
-            return peaks.get(key)
-    return None
-
+SETTLED_RUNS = 3
+"""Measurements on a quiet host after which start-ups read the cached peak instead of timing it again."""
+MAX_RUNS = 8
+"""Measurements in all after which start-ups read the cache even if the host was never quiet (a busy
+CI machine): each costs about a second, and a step faster than the figure still raises it."""
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 def cpu_model() -> str:
     """The CPU model string from /proc/cpuinfo, else what the platform module reports."""
@@ -85,37 +48,47 @@ def cache_dir() -> Path:
     return Path(os.environ.get("POLYTRAIN_CACHE") or Path.home() / ".cache" / "polytrain")
 
 
-def measure_matmul_flops(dtype: torch.dtype, budget_s: float = 0.5) -> float:
-    """Best observed FLOP/s of a square CPU matmul in `dtype`, using torch's current threads.
+def measure_matmul_flops(dtype: torch.dtype, budget_s: float = 0.5, device: torch.device | None = None,
+                         synchronize: Callable[[], None] = lambda: None) -> float:
+    """Best observed FLOP/s of a square matmul in `dtype` on `device` (default: the CPU, with
+    torch's current threads); `synchronize` waits for the device's queued work.
 
-    The size doubles until one matmul takes ~30 ms (capped at n=2048), then up to 4 timed
-    reps fit in `budget_s`; so even slow paths such as bf16 on CPUs without bf16
-    instructions finish in about a second. fp32 is timed on the BLAS and on oneDNN, the faster
-    counting: training runs its fp32 products on oneDNN where that is faster
-    (train.fp32_gemm), and a peak below what its products reach would inflate MFU.
+    The size doubles from n=1024 until one matmul takes ~30 ms (capped at n=2048 on a CPU, 8192 on
+    a device: three 8192^2 fp32 operands are 0.8 GB), then up to 4 (CPU) or 32 (device) timed reps
+    fit in `budget_s`; so even slow paths such as bf16 on CPUs without bf16 instructions finish in
+    about a second. Not from smaller sizes: on a busy host a 128 product's threads wait on each
+    other's time slices for ~30 ms, a rate thousands of times too low. On a CPU fp32 is timed on
+    the BLAS and on oneDNN, the faster counting: training runs its fp32 products on oneDNN where
+    that is faster (train.fp32_gemm), and a peak below what its products reach would inflate MFU.
     """
-    n = 128
-    while True:
-        a = torch.randn(n, n).to(dtype)
-        b = torch.randn(n, n).to(dtype)
-        torch.mm(a, b)  # warmup: the first call at a size pays one-off setup
+    device = device or torch.device("cpu")
+    on_cpu = device.type == "cpu"
+    max_n, max_reps = (2048, 4) if on_cpu else (8192, 32)
+
+    def seconds(product: Callable[[], torch.Tensor]) -> float:
         start = time.perf_counter()
-        torch.mm(a, b)
-        took = time.perf_counter() - start
-        if took >= 0.03 or n >= 2048:
+        product()
+        synchronize()
+        return time.perf_counter() - start
+
+    n = 1024
+    while True:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        seconds(lambda: torch.mm(a, b))  # warmup: the first call at a size pays one-off setup
+        took = seconds(lambda: torch.mm(a, b))
+        if took >= 0.03 or n >= max_n:
             break
         n *= 2
-    reps = max(1, min(4, int(budget_s / max(took, 1e-9))))
+    reps = max(1, min(max_reps, int(budget_s / max(took, 1e-9))))
     products = [lambda: torch.mm(a, b)]
-    if dtype == torch.float32 and onednn_available():  # a @ b.T: the same FLOPs
+    if on_cpu and dtype == torch.float32 and onednn_available():  # a @ b.T: the same FLOPs
         products.append(lambda: onednn_product(a, b, None))
     best = took
     for product in products:
-        product()  # warmup
+        seconds(product)  # warmup
         for _ in range(reps):
-            start = time.perf_counter()
-            product()
-            best = min(best, time.perf_counter() - start)
+            best = min(best, seconds(product))
     return 2 * n**3 / best
 
 
@@ -136,27 +109,86 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def measured_peak(dtype: torch.dtype, device: torch.device | None = None,
+                  synchronize: Callable[[], None] = lambda: None, name: str = "") -> Peak:
+    """The best matmul FLOP/s seen on `device` (default: this CPU; `name` the device's product name)
+    in `dtype`, over this and earlier runs (see the module docstring).
+
+    Until SETTLED_RUNS measurements were taken on a quiet host, each call measures again and keeps
+    the higher of that and the cached figure: a measurement on a busy host never lowers it.
+    """
+    device = device or torch.device("cpu")
+    on_cpu = device.type == "cpu"
+    # The thread count sets a CPU's rate; the float32 matmul precision lets torch run fp32 as TF32
+    # or bf16 products, a different rate.
+    key = (f"{cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}|blas+onednn|{dtype}"
+           if on_cpu else f"{name}|{device.type}|torch={torch.__version__}|{dtype}")
+    if dtype == torch.float32:
+        key += f"|{torch.get_float32_matmul_precision()}"
+    with _locked_cache() as cache:
+        entry = cache.get(key) if isinstance(cache.get(key), dict) else {}
+        if entry.get("quiet_runs", 0) < SETTLED_RUNS and entry.get("runs", 0) < MAX_RUNS:
+            flops = measure_matmul_flops(dtype, device=device, synchronize=synchronize)
+            # A device's rate does not depend on the host's load; a CPU's does.
+            quiet = _machine_is_quiet() if on_cpu else True
+            entry = {"flops": max(flops, entry.get("flops", 0.0)),  # only ever raised
+                     "runs": entry.get("runs", 0) + 1, "quiet_runs": entry.get("quiet_runs", 0) + int(quiet),
+                     "step_flops": entry.get("step_flops", 0.0), "dtype": _DTYPE_NAMES.get(dtype, str(dtype)),
+                     "on": "this CPU" if on_cpu else f"this {name} (not in the datasheet table)"}
+            cache[key] = entry
+    return _peak(key, entry)
+
+
+def raise_measured_peak(peak: Peak, flops: float) -> Peak:
+    """`peak` raised to `flops`, a rate a training step reached, in the cache too, so later runs start from it.
+
+    A step's model FLOP/s above the measured peak proves the measurement low (a busy host); the
+    step's rate is then the best lower bound on the device's peak we have.
+    """
+    if peak.cache_key is None:
+        raise ValueError(f"only a measured peak can be raised by a step, not {peak.describe()}")
+    with _locked_cache() as cache:
+        entry = cache.get(peak.cache_key)
+        if not isinstance(entry, dict):  # the cache was deleted since: start an entry from `peak`
+            entry = {"flops": peak.flops, "runs": 1, "quiet_runs": 0, "dtype": peak.dtype, "on": "this device"}
+        entry["step_flops"] = max(flops, entry.get("step_flops", 0.0))
+        cache[peak.cache_key] = entry
+    return _peak(peak.cache_key, entry)
+
+
 def cpu_peak_flops(dtype: torch.dtype) -> float:
-    """Measured CPU matmul FLOP/s for `dtype`, cached per (CPU model, threads, torch, dtype)."""
-    directory = cache_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "peak_flops.json"
-    # "blas+onednn": fp32 entries cached before oneDNN was timed too are measured again.
-    key = f"{cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}|blas+onednn|{dtype}"
-    with _locked(directory / "peak_flops.lock"):
+    """This CPU's measured matmul FLOP/s for `dtype` with torch's current threads (see measured_peak)."""
+    return measured_peak(dtype).flops
+
+
+def _peak(key: str, entry: dict) -> Peak:
+    measured, step, runs = entry["flops"], entry.get("step_flops", 0.0), entry["runs"]
+    source = f"measured on {entry['on']}, best of {runs} run{'s' if runs != 1 else ''}"
+    if step > measured:
+        source += f", raised to a training step's {step / 1e12:.4g} TFLOP/s"
+    return Peak(max(measured, step), entry["dtype"], f"{source}, cached in {_cache_path()}", key)
+
+
+def _cache_path() -> Path:
+    return cache_dir() / "peak_flops.json"
+
+
+@contextlib.contextmanager
+def _locked_cache() -> Iterator[dict]:
+    """The peak cache as a dict, under the host-wide lock; written back (atomically) on leaving."""
+    path = _cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path.with_suffix(".lock")):
         try:
             cache = json.loads(path.read_text())
         except (OSError, ValueError):
             cache = {}
-        entry = cache.get(key)
-        if not isinstance(entry, dict) or not entry.get("settled"):
-            # A measurement taken while other work loads the machine comes out low
-            # and would inflate every MFU after it: keep the best seen, and measure
-            # again next time until one was taken on a quiet machine.
-            best = max(measure_matmul_flops(dtype), entry.get("flops", 0.0) if isinstance(entry, dict) else 0.0)
-            cache[key] = entry = {"flops": best, "settled": _machine_is_quiet()}
+        if not isinstance(cache, dict):
+            cache = {}
+        before = json.dumps(cache, sort_keys=True)
+        yield cache
+        if json.dumps(cache, sort_keys=True) != before:
             write_text_atomic(path, json.dumps(cache, indent=1, sort_keys=True))  # never half-written
-    return float(entry["flops"])
 
 
 def _machine_is_quiet() -> bool:

@@ -171,9 +171,6 @@ class MPSAccelerator(Accelerator):
         newer = getattr(torch.backends.mps, "is_macos_or_newer", None)
         return (torch.float16, torch.bfloat16) if newer and newer(14, 0) else (torch.float16,)
 
-    def peak_flops(self, dtype: torch.dtype) -> float | None:
-        return None
-
     def pin_memory_available(self) -> bool:
         """False: unified memory, there is no separate device memory to copy into."""
         return False

@@ -138,10 +138,6 @@ class TorchDeviceAccelerator(Accelerator):
         is_bf16 = getattr(self.module(), "is_bf16_supported", None)
         return (torch.bfloat16, torch.float16) if is_bf16 and is_bf16() else (torch.float16,)
 
-    def peak_flops(self, dtype: torch.dtype) -> float | None:
-        """Unknown by default (MFU is then reported as null); backends with a table override it."""
-        return None
-
     def pin_memory_available(self) -> bool:
         """True: discrete devices copy asynchronously from page-locked host memory."""
         return True

@@ -133,7 +133,8 @@ def measured_cpu() -> Device:
 
 def device_for_accelerator(acc) -> Device:
     """The Device this process runs on: the measured CPU, a known GPU by its name, else the accelerator's
-    own peak with an H100's memory and links (an elastic restart's planner needs some figure)."""
+    own peak (datasheet or measured) with an H100's memory and links (an elastic restart's planner needs
+    some figure)."""
     if acc.device_type == "cpu":
         return measured_cpu()
     name = acc.device_name().upper()
@@ -142,8 +143,7 @@ def device_for_accelerator(acc) -> Device:
             return _TABLE[key]
     import torch
 
-    peaks = {"bf16": acc.peak_flops(torch.bfloat16) or _TABLE["H100"].peak_flops["bf16"],
-             "fp32": acc.peak_flops(torch.float32) or _TABLE["H100"].peak_flops["fp32"]}
+    peaks = {"bf16": acc.peak(torch.bfloat16).flops, "fp32": acc.peak(torch.float32).flops}
     return replace(_TABLE["H100"], name=acc.device_name(), peak_flops=peaks)
 
 

@@ -48,6 +48,7 @@ from polytrain.train.build import AUTOCAST, build_model
 from polytrain.train.elastic_launch import ELASTIC_ENV, record_event
 from polytrain.train.faults import inject_faults
 from polytrain.train.metrics import MetricsLogger, plot_loss
+from polytrain.train.mfu import MFU, gemm_dtype
 from polytrain.train.precision import LossScaler, check_fp16_autocast
 from polytrain.train.progress import ProgressBar
 from polytrain.train.snapshot import newest_resume_point, snapshot_dir, snapshots_possible
@@ -332,10 +333,12 @@ class Trainer:
         self.checkpointer.clear_partial()
         if main:
             print(self.describe(), flush=True)
-        # Every rank logs MFU, and a CPU's peak is timed (~1 s a rank, one at a time under a host-wide
-        # lock; the rest read its cache once the host was quiet): here, before the barrier, not at the
-        # first log, where a rank still timing would look hung to the others' step watchdogs.
-        self._peak_flops()
+        # Every rank logs MFU, and a measured peak is timed (~1 s a rank, one at a time under a host-wide
+        # lock, until it settled in the cache): here, before the barrier, not at the first log, where a
+        # rank still timing would look hung to the others' step watchdogs.
+        mfu = self._mfu_meter()
+        if main:
+            print(mfu.describe(), flush=True)
         barrier()
         bar = ProgressBar(cfg.run.steps, self.step, enabled=main)
         start = last_log_time = last_plot = time.perf_counter()
@@ -364,8 +367,11 @@ class Trainer:
                     tokens_per_s = (tokens - last_log_tokens) / (now - last_log_time)
                     last_log_time, last_log_tokens = now, tokens
                     mem = self.acc.memory_stats()
+                    utilization, note = mfu.of(tokens_per_s * self.flops_per_token / self.world.world_size)
+                    if note:
+                        bar.write(note)
                     row = {"step": step, **stats, "tokens": tokens,
-                           "tokens_per_s": tokens_per_s, "mfu": self._mfu(tokens_per_s),
+                           "tokens_per_s": tokens_per_s, "mfu": utilization,
                            "mem_gb": mem["allocated_gb"], "peak_mem_gb": mem["peak_gb"],
                            "time": now - start}
                     self.metrics.log(row)
@@ -453,17 +459,9 @@ class Trainer:
         return f"cp {d.cp_mode}" + (f" ({d.cp_ulysses} Ulysses x {d.cp // d.cp_ulysses} ring)"
                                     if d.cp_mode == "hybrid" else "")
 
-    def _peak_flops(self) -> float | None:
-        # The peak of the GEMMs that run: products widened to fp32 (train.matmul_fp32) are held to
-        # fp32's peak, not to the emulated 16-bit GEMM's (a third of it or less), over 100%.
-        return self.acc.peak_flops(torch.float32 if self.fp32_matmuls else self.autocast_dtype)
-
-    def _mfu(self, tokens_per_s: float) -> float | None:
-        peak = self._peak_flops()
-        if not peak:
-            return None
-        return tokens_per_s * self.flops_per_token / (peak * self.world.world_size)
-
+    def _mfu_meter(self) -> MFU:
+        """MFU against the peak of the GEMMs that run."""
+        return MFU(self.acc.peak(gemm_dtype(self.autocast_dtype, self.fp32_matmuls)))
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:
     lines = [f"trained to step {summary['step']} in {summary['time_s']:.0f}s"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -49,9 +50,12 @@ def test_prepare_rejects_a_bad_output_path(small_corpus, tmp_path, capsys):
     assert "must be a file name ending in .bin" in capsys.readouterr().err
 
 
-def test_keep_prunes_old_checkpoints_and_logs_every_row(small_corpus, tmp_path):
+def test_keep_prunes_old_checkpoints_and_logs_every_row(small_corpus, tmp_path, capsys):
     train(tiny_overrides(small_corpus, tmp_path, run__steps=6, checkpoint__every=2, checkpoint__keep=2,
                          run__eval_every=3))
+    # The start-up line names the peak MFU is against and where it comes from.
+    assert re.search(r"^MFU against [0-9.]+ TFLOP/s fp32 \(measured on this CPU, best of \d+ runs?, ",
+                     capsys.readouterr().out, re.MULTILINE)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_4", "step_6"]
     rows = read_rows(tmp_path)
     assert [r["step"] for r in rows if "val_loss" in r] == [0, 3, 6]
@@ -59,5 +63,6 @@ def test_keep_prunes_old_checkpoints_and_logs_every_row(small_corpus, tmp_path):
     for key in ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "mem_gb", "time"):
         assert key in rows[1]
     assert rows[1]["tokens"] == 8 * 64
+    assert all(0 < r["mfu"] <= 1 for r in rows if "mfu" in r)
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "[train]" in (tmp_path / "config.toml").read_text()

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from polytrain.backend import TorchDeviceAccelerator
+from polytrain.backend import TorchDeviceAccelerator, flops
 from polytrain.backend.host_device import HostDevice
 
 VENDOR = """
@@ -57,7 +57,7 @@ def test_a_broken_vendor_install_disables_only_that_backend(tmp_path, monkeypatc
     sys.modules.pop("torch_fakedev", None)
 
 
-def test_every_accelerator_call_goes_to_the_device_module(vendor, monkeypatch):
+def test_every_accelerator_call_goes_to_the_device_module(vendor, monkeypatch, tmp_path):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     acc = FakeDevAccelerator()
     assert acc.device_module() is torch.privateuseone
@@ -80,7 +80,15 @@ def test_every_accelerator_call_goes_to_the_device_module(vendor, monkeypatch):
     assert 0.025 <= t.elapsed_s < 0.5
     assert acc.autocast_dtypes() == (torch.bfloat16, torch.float16)
     assert acc.device_name() == torch.privateuseone.get_device_name()
-    assert acc.peak_flops(torch.bfloat16) is None  # unknown: MFU is reported as null
+    # Not in the datasheet table: MFU is against a peak measured on the device, and says so.
+    monkeypatch.setenv("POLYTRAIN_CACHE", str(tmp_path / "cache"))
+    timed_on = []
+    monkeypatch.setattr(flops, "measure_matmul_flops",
+                        lambda dtype, device, synchronize: timed_on.append(device) or 5e12)
+    peak = acc.peak(torch.bfloat16)
+    assert timed_on == [torch.device("privateuseone", 1)]
+    assert (peak.flops, peak.dtype) == (5e12, "bf16") and peak.cache_key is not None
+    assert f"measured on this {acc.device_name()} (not in the datasheet table), best of 1 run" in peak.source
 
 
 def test_host_device_presents_one_device_per_local_rank(monkeypatch):

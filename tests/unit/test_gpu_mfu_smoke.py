@@ -18,7 +18,7 @@ def test_cpu_smoke_mode_measures_every_configuration(tmp_path):
     rows = gpu_mfu.main(["--cpu-smoke", "--seqs", "64", "--backend", "aot_eager", "--profile", "--json", str(out)])
     assert [(r["size"], r["seq"], r["compile"]) for r in rows] == [("tiny", 64, False), ("tiny", 64, True)]
     for row in rows:
-        assert row["tokens_per_s"] > 0 and 0 < row["mfu"] < 1 and math.isfinite(row["loss"])
+        assert row["tokens_per_s"] > 0 and 0 < row["mfu"] <= 1 and math.isfinite(row["loss"])
         assert row["flops_per_token"] > 6 * row["params"] * 0.5  # 6N + attention, N without the embedding
         assert abs(sum(fraction for _, fraction in row["profile"]) - 1) < 1e-6
     assert rows[1]["graph_breaks"] == 0 and rows[1]["compile_s"] > 0

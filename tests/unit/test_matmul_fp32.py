@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from polytrain.backend import host_gemm
+from polytrain.backend import Peak, host_gemm
 from polytrain.config import load_config
 from polytrain.distributed.linear_cross_entropy import linear_cross_entropy
 from polytrain.errors import ConfigError
@@ -197,12 +197,11 @@ def test_mfu_and_the_planner_hold_widened_products_to_fp32s_peak(monkeypatch):
     from polytrain.plan.devices import measured_cpu
 
     peaks = {torch.float32: 100.0, torch.bfloat16: 20.0, torch.float16: 10.0}
-    trainer = types.SimpleNamespace(acc=types.SimpleNamespace(peak_flops=peaks.get), flops_per_token=1.0,
-                                    world=types.SimpleNamespace(world_size=2), autocast_dtype=torch.bfloat16)
-    trainer._peak_flops = lambda: Trainer._peak_flops(trainer)
+    acc = types.SimpleNamespace(peak=lambda dtype: Peak(peaks[dtype], str(dtype), "a stand-in's"))
+    trainer = types.SimpleNamespace(acc=acc, autocast_dtype=torch.bfloat16)
     for fp32_matmuls, peak in ((True, 100.0), (False, 20.0)):
         trainer.fp32_matmuls = fp32_matmuls
-        assert Trainer._mfu(trainer, 10.0) == 10.0 / (peak * 2)
+        assert Trainer._mfu_meter(trainer).of(5.0) == (5.0 / peak, None)
 
     monkeypatch.setattr(flops, "cpu_peak_flops", peaks.get)
     for emulated in (True, False):
