@@ -594,7 +594,7 @@ def to_overrides(ds: DSConfig) -> list[str]:
     if ds.seed is not None:
         out["run.seed"] = ds.seed
     if ds.tensorboard:
-        out["run.tensorboard"] = True
+        out["run.loggers"] = "tensorboard"
     if ds.elastic_micro_batch:
         out |= {"parallel.elastic": True, "train.micro_batch_size": ds.elastic_micro_batch}
     return [token for key, value in out.items() for token in (f"--{key}", _text(value))]

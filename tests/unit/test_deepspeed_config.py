@@ -762,8 +762,8 @@ def test_overrides_reproduce_the_whole_config():
         "20",
         "--run.seed",
         "7",
-        "--run.tensorboard",
-        "true",
+        "--run.loggers",
+        "tensorboard",
     ]
 
 
@@ -809,9 +809,9 @@ def test_emitted_keys_are_polytrain_keys_or_the_announced_new_ones():
         cfg.train.lr,
         cfg.train.beta2,
     ) == (4, 64, 3e-4, 0.95)
-    assert (cfg.run.log_every, cfg.run.seed, cfg.run.tensorboard, cfg.train.warmup_steps) == (
+    assert (cfg.run.log_every, cfg.run.seed, cfg.run.loggers, cfg.train.warmup_steps) == (
         20,
         7,
-        True,
+        "tensorboard",
         100,
     )
