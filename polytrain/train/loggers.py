@@ -25,6 +25,10 @@ from polytrain.errors import ConfigError
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
             "mlflow": ("mlflow", "mlflow-skinny")}
 MLFLOW_PARAMS_PER_CALL = 100  # a tracking server refuses larger batches of params
+# What to check when a logger's package is there but the logger does not start.
+START_HINTS = {"tensorboard": "check that <run dir>/tensorboard can be written",
+               "wandb": "log in (`wandb login`, WANDB_API_KEY) or set WANDB_MODE=offline",
+               "mlflow": "check MLFLOW_TRACKING_URI (unset: a file store in <run dir>/mlruns)"}
 
 
 class Sink(Protocol):
@@ -53,17 +57,23 @@ def flat_config(cfg: Config) -> dict[str, Any]:
 
 
 def open_sinks(cfg: Config, run_dir: Path, resume_step: int | None, name: str) -> list[Sink]:
-    """The sinks run.loggers names, each recording run `name`; call on rank 0 only."""
+    """The sinks run.loggers names, each recording run `name`; call on rank 0 only.
+
+    One that fails to start is a ConfigError naming it and what to check, so the trainer
+    (which opens them inside `together`) stops every rank with that line.
+    """
     opened: list[Sink] = []
     openers = {"tensorboard": lambda: TensorBoardSink(RunDir(run_dir).tensorboard, resume_step),
                "wandb": lambda: WandbSink(cfg, run_dir, name), "mlflow": lambda: MLflowSink(cfg, run_dir, name)}
-    try:
-        for logger in logger_names(cfg):
+    for logger in logger_names(cfg):
+        try:
             opened.append(openers[logger]())
-    except BaseException:
-        for sink in opened:
-            sink.close()
-        raise
+        except Exception as e:
+            for sink in opened:
+                sink.close()
+            reason = (str(e).strip().splitlines() or [""])[0][:300]
+            raise ConfigError(f"run.loggers: {logger} did not start ({type(e).__name__}: {reason}); "
+                              f"{START_HINTS[logger]}") from e
     return opened
 
 

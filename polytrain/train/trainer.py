@@ -115,8 +115,10 @@ class Trainer:
         # Ranks that wait for each other can hang; one process cannot (nor restart to any avail).
         self.watchdog = Watchdog(hang_directory(self.run_dir), cfg.run.hang_timeout_s if
                                  self.world.world_size > 1 else -1.0)
-        self.metrics = MetricsLogger(self.run_dir, self.world.is_main,
-                                     resume_step=self.step if self.resume_from else None, cfg=cfg)
+        # `together`: a logger that fails to start on rank 0 stops every rank with its one line.
+        self.metrics = together(lambda: MetricsLogger(self.run_dir, self.world.is_main,
+                                                      resume_step=self.step if self.resume_from else None,
+                                                      cfg=cfg))
 
     # ----- set-up -------------------------------------------------------------------
 

@@ -134,3 +134,12 @@ def test_only_the_enabled_rank_opens_sinks(offline, tmp_path):
     logger.log(ROWS[1])
     logger.close()
     assert not (tmp_path / "run").exists()
+
+
+def test_a_logger_that_cannot_start_is_one_line_naming_it(offline, monkeypatch, tmp_path):
+    pytest.importorskip("mlflow", reason="the mlflow package is absent: pip install polytrain[loggers]")
+    pytest.importorskip("tensorboard", reason="the tensorboard package is absent")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "nosuchscheme://tracking")
+    cfg = load_config(None, ["--run.loggers", "tensorboard,mlflow"])
+    with pytest.raises(ConfigError, match=r"run.loggers: mlflow did not start \(.*\); check MLFLOW_TRACKING_URI"):
+        MetricsLogger(tmp_path, enabled=True, cfg=cfg)
