@@ -82,6 +82,7 @@ def _add_sampling(parser: argparse.ArgumentParser, max_new_tokens: int, temperat
 def _train(argv: list[str]) -> int:
     from polytrain.config import help_text
     from polytrain.train.__main__ import config_from_argv, run_worker
+    from polytrain.train.loggers import require_loggers
 
     if "-h" in argv or "--help" in argv:
         print("usage: polytrain train [--config FILE.toml] [--deepspeed_config ds_config.json] "
@@ -89,6 +90,7 @@ def _train(argv: list[str]) -> int:
         print(help_text())
         return 0
     cfg = config_from_argv(argv)
+    require_loggers(cfg)  # once, before any worker starts
     if cfg.parallel.nproc_min and "WORLD_SIZE" not in os.environ:
         from polytrain.backend import get_accelerator
         from polytrain.train.elastic_launch import ElasticLauncher

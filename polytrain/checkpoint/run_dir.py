@@ -5,7 +5,9 @@
         tokenizer.json       the tokenizer the run used
         metrics.jsonl        one JSON row per logged step (train/metrics.py)
         loss.png             the loss curve
-        tensorboard/         event files (run.tensorboard)
+        tensorboard/         event files (run.loggers has tensorboard)
+        wandb/               W&B's local run files (run.loggers has wandb)
+        mlruns/              MLflow's file store, unless MLFLOW_TRACKING_URI names another
         checkpoints/step_<N>/  sharded checkpoints (trainer_state.py)
         offload/             nvme offload files when parallel.nvme_path is empty
 """
@@ -46,6 +48,14 @@ class RunDir:
     @property
     def tensorboard(self) -> Path:
         return self.path / "tensorboard"
+
+    @property
+    def wandb(self) -> Path:
+        return self.path / "wandb"
+
+    @property
+    def mlruns(self) -> Path:
+        return self.path / "mlruns"
 
     @property
     def checkpoints(self) -> Path:

@@ -76,6 +76,10 @@ def set_value(cfg: Config, key: str, value: Any, from_text: bool) -> None:
     if key == "parallel.nproc" and isinstance(value, str) and ":" in value:
         _set_elastic_range(cfg, value)
         return
+    if key == "run.tensorboard":  # the key before run.loggers: true adds tensorboard to it
+        if _coerce(key, value, bool, from_text):
+            cfg.run.loggers = ",".join(dict.fromkeys([*_names(cfg.run.loggers), "tensorboard"]))
+        return
     section, _, name = key.partition(".")
     if section not in SECTIONS or not name:
         raise _unknown(key)
@@ -86,12 +90,34 @@ def set_value(cfg: Config, key: str, value: Any, from_text: bool) -> None:
     f = by_name[name]
     if f.metadata.get("sources") and isinstance(value, list) and not from_text:
         value = _sources_text(key, value)
+    if f.metadata.get("names") and isinstance(value, list) and not from_text:
+        if not all(isinstance(name, str) for name in value):
+            raise ConfigError(f"{key} = {value!r}: list names as strings, e.g. [\"tensorboard\", \"wandb\"]")
+        value = ",".join(value)
     want = type(f.default) if f.default is not dataclasses.MISSING else str
     value = _coerce(key, value, want, from_text)
     choices = f.metadata.get("choices")
     if choices and value not in choices:
         raise ConfigError(f"{key} = {value!r} is not one of {', '.join(map(repr, choices))}")
+    if f.metadata.get("names"):
+        value = _check_names(key, value, f.metadata["names"])
     setattr(section_obj, name, value)
+
+
+def _names(text: str) -> list[str]:
+    """"tensorboard, wandb" -> ["tensorboard", "wandb"] (a list-valued key's text form)."""
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def _check_names(key: str, text: str, allowed: tuple[str, ...]) -> str:
+    """A list-valued key's comma-separated names, each one of `allowed` and given once; normalised."""
+    names = _names(text)
+    for name in names:
+        if name not in allowed:
+            raise ConfigError(f"{key}: {name!r} is not one of {', '.join(allowed)}")
+        if names.count(name) > 1:
+            raise ConfigError(f"{key} names {name!r} twice; give each once")
+    return ",".join(names)
 
 
 def _set_elastic_range(cfg: Config, value: str) -> None:

@@ -19,6 +19,10 @@ def _choices(*values: str) -> Any:
     return field(default=values[0], metadata={"choices": values})
 
 
+LOGGERS = ("tensorboard", "wandb", "mlflow")
+"""The metric sinks run.loggers may name (polytrain/train/loggers.py opens them)."""
+
+
 @dataclass
 class RunConfig:
     name: str = "default"
@@ -37,8 +41,14 @@ class RunConfig:
     """Global batches of held-out sequences in one validation pass (the same for every layout)."""
     sample_tokens: int = 64
     """Tokens generated from a prompt at the end of training (0 = no sample)."""
-    tensorboard: bool = False
-    """Also write TensorBoard event files to <run dir>/tensorboard."""
+    loggers: str = field(default="", metadata={"names": LOGGERS})
+    """Where metrics rows also go: comma-separated or a TOML list of tensorboard, wandb, mlflow (run.tensorboard = true adds tensorboard)."""
+    wandb_project: str = ""
+    """W&B project of run.loggers' wandb (empty = WANDB_PROJECT, else W&B's default); WANDB_MODE=offline keeps it local."""
+    wandb_entity: str = ""
+    """W&B entity (user or team) of run.loggers' wandb (empty = WANDB_ENTITY, else your default)."""
+    mlflow_experiment: str = ""
+    """MLflow experiment of run.loggers' mlflow (empty = MLFLOW_EXPERIMENT_NAME, else 'polytrain'); MLFLOW_TRACKING_URI picks the store."""
     hang_timeout_s: float = 0.0
     """Seconds a step may take before every rank dumps stacks and collectives to <run dir>/hang/ and the attempt ends; 0 = 10x the slowest step (>= 60 s; 900 s for the first); < 0 = off."""
 

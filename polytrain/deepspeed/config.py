@@ -7,6 +7,7 @@ Every key of the file ends in exactly one of four places:
 
 - mapped onto a polytrain setting (batch sizes, optimizer, scheduler, fp16/bf16, ZeRO
   stage and offload, gradient_clipping, steps_per_print, seed, tensorboard.enabled, the
+  `wandb` block's enabled, project and team (run.loggers, run.wandb_project/entity), the
   `elasticity` block: elasticity.py);
 - accepted quietly because its value asks for nothing polytrain does not already do
   (`"wall_clock_breakdown": false`, any block with `"enabled": false`);
@@ -125,6 +126,10 @@ class DSConfig:
     elastic_micro_batch: int | None = None
     """With an enabled `elasticity` block: its largest micro-batch, the ceiling polytrain re-derives
     each world size's micro-batch under (polytrain/plan/elastic.py); None = not elastic."""
+    wandb_project: str | None = None
+    """With an enabled `wandb` block: its project (DeepSpeed's default "deepspeed"); None = no W&B."""
+    wandb_team: str | None = None
+    """The `wandb` block's team (W&B entity); None = the user's default."""
 
 
 def _show(value: Any) -> str:
@@ -497,6 +502,15 @@ def _zero(r: _Reader) -> tuple[int, str, str, str | None, int | None]:
     return stage, opt_dev, param_dev, paths.pop() if paths else None, bucket
 
 
+def _wandb(r: _Reader) -> dict[str, str | None]:
+    """The `wandb` block's project and team, when enabled (its `group` is not read: W&B runs of polytrain
+    are not grouped)."""
+    if not r.flag("wandb.enabled", False):
+        return {}
+    team = r.text("wandb.team", "") or None
+    return {"wandb_project": r.text("wandb.project", "deepspeed"), "wandb_team": team}
+
+
 def load_ds_config(source: dict[str, Any] | str | Path, *, world_size: int) -> DSConfig:
     """Read a ds_config (a dict or a JSON file) for `world_size` data-parallel ranks.
 
@@ -518,6 +532,7 @@ def load_ds_config(source: dict[str, Any] | str | Path, *, world_size: int) -> D
     optimizer = _optimizer(r)
     scheduler = _scheduler(r, optimizer)
     stage, offload_optimizer, offload_param, nvme_path, bucket = _zero(r)
+    wandb = _wandb(r)  # read before r.unread() lists what is left
     ds = DSConfig(
         world_size=world_size,
         train_batch_size=train_batch,
@@ -538,6 +553,7 @@ def load_ds_config(source: dict[str, Any] | str | Path, *, world_size: int) -> D
         tensorboard=r.flag("tensorboard.enabled", False),
         unsupported=tuple(r.unread()),
         elastic_micro_batch=max(elastic.micro_batch_sizes) if elastic else None,
+        **wandb,
     )
     if ds.unsupported:
         warnings.warn(
@@ -593,8 +609,13 @@ def to_overrides(ds: DSConfig) -> list[str]:
         out["run.log_every"] = ds.steps_per_print
     if ds.seed is not None:
         out["run.seed"] = ds.seed
-    if ds.tensorboard:
-        out["run.tensorboard"] = True
+    loggers = [name for name, on in (("tensorboard", ds.tensorboard), ("wandb", ds.wandb_project)) if on]
+    if loggers:
+        out["run.loggers"] = ",".join(loggers)
+    if ds.wandb_project:
+        out["run.wandb_project"] = ds.wandb_project
+    if ds.wandb_team:
+        out["run.wandb_entity"] = ds.wandb_team
     if ds.elastic_micro_batch:
         out |= {"parallel.elastic": True, "train.micro_batch_size": ds.elastic_micro_batch}
     return [token for key, value in out.items() for token in (f"--{key}", _text(value))]

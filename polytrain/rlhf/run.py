@@ -29,6 +29,7 @@ from polytrain.rlhf.reward import run_reward
 from polytrain.rlhf.roles import role_config
 from polytrain.rlhf.sft import run_sft
 from polytrain.rlhf.sources import import_if_hf, planned_models
+from polytrain.train.loggers import require_loggers
 from polytrain.train.startup import plan_layout
 
 RUNNERS = {"sft": run_sft, "reward": run_reward, "ppo": run_ppo}
@@ -38,6 +39,7 @@ def check_rlhf(cfg: Config, world_size: int) -> tuple[str, ...]:
     """The steps to run, after checking their inputs and every model's layout on `world_size` processes."""
     r = cfg.rlhf
     steps = parse_steps(r.steps)
+    require_loggers(cfg)
     check_inputs(cfg.run_dir, steps)
     parse_split(r.data_split)
     actor, reward = planned_models(cfg)

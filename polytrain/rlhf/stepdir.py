@@ -22,7 +22,7 @@ from typing import Any
 
 from polytrain.checkpoint import Checkpointer, RunDir, TrainerState, latest_checkpoint
 from polytrain.config import Config, to_toml
-from polytrain.distributed.world import barrier
+from polytrain.distributed.world import barrier, together
 from polytrain.errors import ConfigError
 from polytrain.models.registry import shape_config
 from polytrain.rlhf.batches import chat_template_for
@@ -86,7 +86,9 @@ class StepRun:
         return state
 
     def metrics(self, resume_step: int | None) -> MetricsLogger:
-        return MetricsLogger(self.dir, self.main, self.cfg.run.tensorboard, resume_step=resume_step)
+        """The step's metrics.jsonl and run.loggers' sinks, as the run <run.name>/<step>."""
+        return together(lambda: MetricsLogger(self.dir, self.main, resume_step=resume_step, cfg=self.cfg,
+                                              name=f"{self.cfg.run.name}/{self.step}"))
 
     def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
         """Mark the step complete (its last file) once every rank is done; returns the summary."""

@@ -1,5 +1,5 @@
-"""Training metrics on disk: metrics.jsonl (one JSON object per line), optional TensorBoard
-events, and a loss.png plot redrawn from the jsonl.
+"""Training metrics on disk: metrics.jsonl (one JSON object per line), the same rows to
+TensorBoard, W&B or MLflow (run.loggers: loggers.py), and a loss.png plot redrawn from the jsonl.
 
 The jsonl file is the record of a run: it is flushed line by line so a crash loses nothing
 already logged, and truncated to the checkpoint's step on resume so it never holds rows
@@ -14,12 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from polytrain.checkpoint.run_dir import RunDir
+from polytrain.config import Config
 from polytrain.io.atomic import atomic_path, write_text_atomic
-
-# The bar lives in progress.py; re-exported because the trainer imports it from here.
+from polytrain.train.loggers import Sink, open_sinks
 
 __all__ = ["MetricsLogger", "plot_loss", "read_metrics"]
-
 
 
 def _jsonable(value: Any) -> Any:
@@ -48,22 +47,25 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 class MetricsLogger:
-    """Appends metric rows to run_dir/metrics.jsonl (and TensorBoard); a no-op when disabled.
+    """Appends metric rows to run_dir/metrics.jsonl and hands each to the run.loggers sinks; a
+    no-op when disabled.
 
     resume_step=None starts a fresh file; resume_step=k keeps only rows with step <= k.
-    Only rank 0 should pass enabled=True.
+    Only rank 0 should pass enabled=True. `cfg` names the sinks (run.loggers) and is the
+    config they record, under run `name` (default run.name).
     """
 
     def __init__(
         self,
         run_dir: Path,
         enabled: bool = True,
-        tensorboard: bool = False,
         resume_step: int | None = None,
+        cfg: Config | None = None,
+        name: str | None = None,
     ) -> None:
         self.enabled = enabled
         self._file = None
-        self._writer = None
+        self._sinks: list[Sink] = []
         if not enabled:
             return
         run_dir = Path(run_dir)
@@ -76,44 +78,30 @@ class MetricsLogger:
         # A crash mid-rewrite leaves the old file whole.
         write_text_atomic(self.path, "".join(json.dumps(row) + "\n" for row in kept))
         self._file = open(self.path, "a", encoding="utf-8")
-        if tensorboard:
-            self._writer = _summary_writer(RunDir(run_dir).tensorboard, resume_step)
+        if cfg is not None:
+            self._sinks = open_sinks(cfg, run_dir, resume_step, name or cfg.run.name)
 
     def log(self, row: dict[str, Any]) -> None:
-        """Append one row (must have 'step'); NaN/inf are written as null."""
+        """Append one row (must have 'step'); NaN/inf are written as null. The sinks get the
+        row's numbers but 'step' (their step axis) and the nulls."""
         if self._file is None:
             return
         clean = {key: _jsonable(value) for key, value in row.items()}
         self._file.write(json.dumps(clean, allow_nan=False) + "\n")
         self._file.flush()
-        if self._writer is not None:
-            step = clean["step"]
-            for key, value in clean.items():
-                if key not in ("step", "time") and isinstance(value, (int, float)):
-                    self._writer.add_scalar(key, value, global_step=step)
-            self._writer.flush()
+        scalars = {key: value for key, value in clean.items() if key != "step"
+                   and isinstance(value, (int, float)) and not isinstance(value, bool)}
+        for sink in self._sinks:
+            sink.log(clean["step"], scalars)
 
     def close(self) -> None:
-        """Close the jsonl file and the TensorBoard writer; further log calls do nothing."""
+        """Close the jsonl file and the sinks; further log calls do nothing."""
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-
-
-def _summary_writer(log_dir: Path, resume_step: int | None) -> Any:
-    """A TensorBoard SummaryWriter, imported only when asked for (it is slow and optional)."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as e:
-        raise ImportError(
-            "run.tensorboard = true needs the tensorboard package: pip install tensorboard"
-        ) from e
-    # purge_step hides events a crashed run wrote after the checkpoint we resume from.
-    purge = None if resume_step is None else resume_step + 1
-    return SummaryWriter(log_dir=str(log_dir), purge_step=purge)
+        sinks, self._sinks = self._sinks, []
+        for sink in sinks:
+            sink.close()
 
 
 def plot_loss(run_dir: Path) -> Path:

@@ -47,6 +47,7 @@ from polytrain.optim.schedule import scheduled_lr, set_lr
 from polytrain.train.build import AUTOCAST, build_model
 from polytrain.train.elastic_launch import ELASTIC_ENV, record_event
 from polytrain.train.faults import inject_faults
+from polytrain.train.loggers import require_loggers
 from polytrain.train.metrics import MetricsLogger, plot_loss
 from polytrain.train.mfu import MFU, gemm_dtype
 from polytrain.train.precision import LossScaler, check_fp16_autocast
@@ -63,6 +64,7 @@ class Trainer:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        require_loggers(cfg)  # a missing wandb/mlflow fails now, not at the first logged step
         self.runtime, self.layout = start(cfg)  # the job joined, the layout checked, the mesh built
         self.acc, self.world, self.dims = self.runtime.acc, self.runtime.world, self.runtime.dims
         self.device = self.runtime.device
@@ -115,8 +117,10 @@ class Trainer:
         self.watchdog = Watchdog(hang_directory(self.run_dir), cfg.run.hang_timeout_s if
                                  self.world.world_size > 1 else -1.0,
                                  backend_recorder=self.acc.dump_flight_recorder)  # NCCL's, on GPUs
-        self.metrics = MetricsLogger(self.run_dir, self.world.is_main, cfg.run.tensorboard,
-                                     resume_step=self.step if self.resume_from else None)
+        # `together`: a logger that fails to start on rank 0 stops every rank with its one line.
+        self.metrics = together(lambda: MetricsLogger(self.run_dir, self.world.is_main,
+                                                      resume_step=self.step if self.resume_from else None,
+                                                      cfg=cfg))
 
     # ----- set-up -------------------------------------------------------------------
 

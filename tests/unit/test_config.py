@@ -25,7 +25,7 @@ def test_toml_then_overrides(tmp_path):
     path.write_text('[train]\nlr = 1\nprecision = "bf16"\n[model]\nsize = "small"\ndim = 480\n')
     cfg = load_config(path, ["--train.lr", "0.5", "--run.tensorboard=true", "--model.n-layers", "3"])
     assert cfg.train.lr == 0.5 and isinstance(cfg.train.lr, float)
-    assert cfg.train.precision == "bf16" and cfg.run.tensorboard is True
+    assert cfg.train.precision == "bf16" and cfg.run.loggers == "tensorboard"  # the older key's meaning
     assert (cfg.model.dim, cfg.model.n_layers, cfg.model.ffn_dim) == (480, 3, 1024)  # rest from "small"
 
 

@@ -762,8 +762,8 @@ def test_overrides_reproduce_the_whole_config():
         "20",
         "--run.seed",
         "7",
-        "--run.tensorboard",
-        "true",
+        "--run.loggers",
+        "tensorboard",
     ]
 
 
@@ -809,9 +809,26 @@ def test_emitted_keys_are_polytrain_keys_or_the_announced_new_ones():
         cfg.train.lr,
         cfg.train.beta2,
     ) == (4, 64, 3e-4, 0.95)
-    assert (cfg.run.log_every, cfg.run.seed, cfg.run.tensorboard, cfg.train.warmup_steps) == (
+    assert (cfg.run.log_every, cfg.run.seed, cfg.run.loggers, cfg.train.warmup_steps) == (
         20,
         7,
-        True,
+        "tensorboard",
         100,
     )
+
+
+def test_wandb_block_turns_on_the_wandb_logger_with_its_project_and_team():
+    base = {"train_batch_size": 8, "tensorboard": {"enabled": True}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ds = load_ds_config(base | {"wandb": {"enabled": True, "team": "lab", "project": "llm", "group": "g1"}},
+                            world_size=1)
+    over = pairs(to_overrides(ds))
+    assert (over["run.loggers"], over["run.wandb_project"], over["run.wandb_entity"]) == ("tensorboard,wandb", "llm", "lab")
+    assert "wandb.group" in str(caught[0].message)  # read by nothing, so named
+    cfg = load_config(None, to_overrides(ds))
+    assert (cfg.run.loggers, cfg.run.wandb_project, cfg.run.wandb_entity) == ("tensorboard,wandb", "llm", "lab")
+    # DeepSpeed's default project; a disabled block turns nothing on and is not warned about.
+    assert pairs(to_overrides(load({"train_batch_size": 8, "wandb": {"enabled": True}})))["run.wandb_project"] == "deepspeed"
+    off = load({"train_batch_size": 8, "wandb": {"enabled": False, "project": "x"}})
+    assert "run.loggers" not in pairs(to_overrides(off)) and off.unsupported == ()

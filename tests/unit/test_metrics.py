@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from polytrain.config import load_config
 from polytrain.train.metrics import MetricsLogger, plot_loss, read_metrics
 from polytrain.train.progress import ProgressBar
 
@@ -48,7 +49,7 @@ def test_resume_drops_rows_after_the_checkpoint(tmp_path):
 
 
 def test_disabled_logger_writes_nothing(tmp_path):
-    logger = MetricsLogger(tmp_path / "run", enabled=False, tensorboard=True)
+    logger = MetricsLogger(tmp_path / "run", enabled=False, cfg=load_config(None, ["--run.loggers", "tensorboard"]))
     logger.log(_train_row(1, 3.0))
     logger.close()
     assert not (tmp_path / "run").exists()
@@ -76,7 +77,7 @@ def test_plot_loss_before_any_row(tmp_path):
 
 def test_tensorboard_writes_events(tmp_path):
     pytest.importorskip("tensorboard")
-    logger = MetricsLogger(tmp_path, enabled=True, tensorboard=True)
+    logger = MetricsLogger(tmp_path, enabled=True, cfg=load_config(None, ["--run.loggers", "tensorboard"]))
     logger.log(_train_row(1, 3.0))
     logger.close()
     events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
