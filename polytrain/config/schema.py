@@ -104,7 +104,10 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     source: str = "stdlib"
-    """'stdlib' (the .py sources of the running Python) or a path: .txt, .jsonl (field text), prepared .bin."""
+    """'stdlib' (the .py sources of the running Python), a path (.txt, .jsonl, .parquet, .arrow, a directory
+    of them, a prepared .bin) or hf:NAME[:CONFIG][:SPLIT] (Hugging Face Datasets: a name or a local path)."""
+    text_field: str = "text"
+    """.jsonl field / .parquet, .arrow and hf: column that holds each document's text."""
     sources: str = field(default="", metadata={"sources": True})
     """Several corpora blended by weight in place of source (left at stdlib): TOML [{path = "...", weight = W}, ...] or "PATH:W,..."."""
     tokenizer: str = "bpe"
