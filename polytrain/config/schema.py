@@ -410,6 +410,9 @@ class CheckpointConfig:
     """'auto' = newest complete checkpoint (or snapshot) of this run, 'none' = start fresh, or a checkpoint path."""
     snapshot_every: int = 0
     """Steps between host-memory (/dev/shm) snapshots a restart resumes from when newer than the newest checkpoint; 0 = none."""
+    async_save: bool = True
+    """Write checkpoints in a background thread from a host-memory copy while training goes on (one in flight;
+    still atomic); false = training waits for each write. Runs with parallel.offload / offload_params save synchronously."""
 
 
 @dataclass
