@@ -1,6 +1,6 @@
 """Column stores as document sources: Parquet and Arrow files, and Hugging Face Datasets.
 
-    data.source = "corpus.parquet"            # pyarrow reads it, row groups in slices
+    data.source = "corpus.parquet"            # pyarrow's batch reader: at most a row group's column
     data.source = "shard-00000.arrow"         # Arrow IPC (what datasets writes), memory-mapped
     data.source = "hf:PATH_OR_NAME[:CONFIG][:SPLIT]"   # via the `datasets` package
 
