@@ -5,7 +5,7 @@
     polytrain generate RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--parallel.cp N]
     polytrain chat RUN_DIR [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--parallel.cp N]
     polytrain eval needle RUN_DIR [--lengths 1k,4k,16k] [--depths 0,25,50,75,100] [--repeats N] [--out DIR] [--parallel.cp N]
-    polytrain prepare SOURCE OUT.bin [--vocab-size N] [--tokenizer bpe|PATH] [--val-fraction F]
+    polytrain prepare SOURCE OUT.bin [--vocab-size N] [--tokenizer bpe|PATH] [--val-fraction F] [--text-field F]
     polytrain consolidate CHECKPOINT_DIR OUT [--dtype fp32|bf16|fp16] [--format safetensors|pt]
     polytrain convert HF_DIR OUT_DIR | polytrain convert --to hf RUN_OR_CHECKPOINT OUT_DIR [--dtype ...]
     polytrain convert --to peft RUN_OR_CHECKPOINT OUT_DIR | polytrain convert ADAPTER_DIR OUT_DIR --base RUN
@@ -282,11 +282,13 @@ def _prepare(argv: list[str]) -> int:
     parser = _Parser(
         prog="polytrain prepare",
         description="Tokenize a corpus once into packed token files for data.source.")
-    parser.add_argument("source", help="'stdlib', a .txt or .jsonl file (field text), or a directory of them")
+    parser.add_argument("source", help="'stdlib', a .txt, .jsonl, .parquet or .arrow file, a directory of them, "
+                                       "or hf:NAME[:CONFIG][:SPLIT] (Hugging Face Datasets)")
     parser.add_argument("out", help="output path ending in .bin (also writes .val.bin, .json, .tokenizer.json)")
     parser.add_argument("--vocab-size", type=_whole(257), default=4096,
                         help="vocabulary of the trained BPE tokenizer (at least 256 bytes + <|endoftext|>)")
     parser.add_argument("--tokenizer", default="bpe", help="'bpe' to train one, or a tokenizer.json path")
+    parser.add_argument("--text-field", default="text", help="the .jsonl field / .parquet, .arrow, hf: column of the text")
     parser.add_argument("--val-fraction", type=_number(0, 1, open_low=True, open_high=True), default=0.02,
                         help="share of documents held out for validation")
     args = parser.parse_args(argv)
@@ -294,7 +296,7 @@ def _prepare(argv: list[str]) -> int:
     from polytrain.data import prepare_to
 
     prepared = prepare_to(args.source, args.out, tokenizer=args.tokenizer,
-                          vocab_size=args.vocab_size, val_fraction=args.val_fraction)
+                          vocab_size=args.vocab_size, val_fraction=args.val_fraction, text_field=args.text_field)
     print(f"wrote {prepared.train_path} ({prepared.n_train_tokens:,} tokens) and "
           f"{prepared.val_path} ({prepared.n_val_tokens:,} tokens)")
     return 0

@@ -71,10 +71,13 @@ def measure_matmul_flops(dtype: torch.dtype, budget_s: float = 0.5, device: torc
         synchronize()
         return time.perf_counter() - start
 
+    # Operands from a generator of our own: drawing from the global one would shift the training
+    # run's random stream (initialisation, dropout, sampling) by whether the peak was timed.
+    generator = torch.Generator(device=device).manual_seed(0)
     n = 1024
     while True:
-        a = torch.randn(n, n, device=device).to(dtype)
-        b = torch.randn(n, n, device=device).to(dtype)
+        a = torch.randn(n, n, device=device, generator=generator).to(dtype)
+        b = torch.randn(n, n, device=device, generator=generator).to(dtype)
         seconds(lambda: torch.mm(a, b))  # warmup: the first call at a size pays one-off setup
         took = seconds(lambda: torch.mm(a, b))
         if took >= 0.03 or n >= max_n:

@@ -49,28 +49,33 @@ from polytrain.io.atomic import durable_mkdir, durable_replace, fsync_path, fsyn
 TMP_PREFIX = ".tmp-"
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+def _rank(group: Any = None) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
 
 
-def _gather(obj: Any) -> list[Any]:
-    """`obj` of every rank, in rank order (just this rank's without a process group)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+def _world(group: Any = None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def _gather(obj: Any, group: Any = None) -> list[Any]:
+    """`obj` of every rank of `group` (None: the default group), in rank order (just this
+    rank's without a process group)."""
+    if _world(group) == 1:
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out: list[Any] = [None] * _world(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
-def _agree(error: str | None, what: str) -> None:
+def _agree(error: str | None, what: str, group: Any = None) -> None:
     """Raise the same CheckpointError on every rank if any rank reports an error."""
-    failed = [(rank, e) for rank, e in enumerate(_gather(error)) if e is not None]
+    failed = [(rank, e) for rank, e in enumerate(_gather(error, group)) if e is not None]
     if failed:
         rank, message = failed[0]
         raise CheckpointError(f"{what} failed on rank {rank}: {message}")
 
 
-def agree(fn: Callable[[], Any] | None) -> Any:
+def agree(fn: Callable[[], Any] | None, group: Any = None) -> Any:
     """Run `fn` on this rank (None: nothing), then agree: a CheckpointError on any rank is raised
     on every rank (the lowest failed rank's message); else `fn`'s result. Collective, like a
     barrier, and for the same reason as distributed.world.together (which this floor cannot
@@ -81,7 +86,7 @@ def agree(fn: Callable[[], Any] | None) -> Any:
         result = fn() if fn is not None else None
     except CheckpointError as e:
         error = e
-    first = next((m for m in _gather(None if error is None else str(error)) if m is not None), None)
+    first = next((m for m in _gather(None if error is None else str(error), group) if m is not None), None)
     if error is not None:
         raise error
     if first is not None:
@@ -165,16 +170,19 @@ def torch_bytes(obj: Any) -> bytes:
 
 def write_checkpoint_dir(final: Path, tensors: Mapping[str, Any], *,
                          rank_files: Callable[[], Mapping[str, bytes]] | None = None,
-                         main_files: Callable[[], Mapping[str, bytes]] | None = None) -> Path:
-    """Write checkpoint `final` (see the module docstring); returns it. Collective.
+                         main_files: Callable[[], Mapping[str, bytes]] | None = None,
+                         group: Any = None) -> Path:
+    """Write checkpoint `final` (see the module docstring); returns it. Collective over `group`.
 
     `tensors`: the state dict DCP saves (this rank's shards of it); `rank_files`: called on
     every rank after its shards are written, relative path -> bytes, written by this rank;
-    `main_files`: called on rank 0 after every rank has written, written last.
+    `main_files`: called on rank 0 after every rank has written, written last; `group`: the
+    process group of every collective (None: the default one; async saves pass their own,
+    so that their collectives never interleave with training's).
     """
     final = Path(final)
     tmp = final.with_name(TMP_PREFIX + final.name)
-    main = _rank() == 0
+    main = _rank(group) == 0
     error = None
     if main:
         try:
@@ -182,14 +190,15 @@ def write_checkpoint_dir(final: Path, tensors: Mapping[str, Any], *,
             durable_mkdir(tmp)  # a new checkpoints/ directory must itself survive a power cut
         except OSError as e:
             error = _os_error(e)
-    _agree(error, f"saving checkpoint {final}")
-    _collectively(tmp, main, lambda: _write_rank_part(tmp, tensors, rank_files), final)
-    files = _collectively(tmp, main, lambda: _hash_rank_share(tmp), final)
-    _collectively(tmp, main, (lambda: _finish(tmp, final, files, main_files)) if main else None, final)
+    _agree(error, f"saving checkpoint {final}", group)
+    _collectively(tmp, main, lambda: _write_rank_part(tmp, tensors, rank_files, group), final, group)
+    files = _collectively(tmp, main, lambda: hash_share(tmp, _rank(group), _world(group)), final, group)
+    _collectively(tmp, main, (lambda: _finish(tmp, final, files, main_files)) if main else None, final, group)
     return final
 
 
-def _collectively(tmp: Path, main: bool, step: Callable[[], Any] | None, final: Path) -> list[Any]:
+def _collectively(tmp: Path, main: bool, step: Callable[[], Any] | None, final: Path,
+                  group: Any = None) -> list[Any]:
     """Run `step` on this rank (None: nothing), then agree; returns every rank's result.
 
     On any rank's failure every rank raises the same CheckpointError and rank 0 removes the
@@ -202,7 +211,7 @@ def _collectively(tmp: Path, main: bool, step: Callable[[], Any] | None, final: 
     # CheckpointException is a BaseException, which `except Exception` would miss.
     except (Exception, CheckpointException) as e:
         error = _describe(e)
-    gathered = _gather((result, error))
+    gathered = _gather((result, error), group)
     failed = [(rank, e) for rank, (_, e) in enumerate(gathered) if e is not None]
     if failed:
         if main:
@@ -213,19 +222,14 @@ def _collectively(tmp: Path, main: bool, step: Callable[[], Any] | None, final: 
 
 
 def _write_rank_part(tmp: Path, tensors: Mapping[str, Any],
-                     rank_files: Callable[[], Mapping[str, bytes]] | None) -> None:
+                     rank_files: Callable[[], Mapping[str, bytes]] | None, group: Any) -> None:
     """This rank's shards (DCP fsyncs them) and its own files."""
-    dcp.save(dict(tensors), storage_writer=_writer(tmp), no_dist=not dist.is_initialized())
+    dcp.save(dict(tensors), storage_writer=_writer(tmp), process_group=group, no_dist=not dist.is_initialized())
     for name, data in (rank_files() if rank_files else {}).items():
         path = tmp / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
         fsync_path(path)
-
-
-def _hash_rank_share(tmp: Path) -> dict[str, dict]:
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    return hash_share(tmp, _rank(), world)
 
 
 def _finish(tmp: Path, final: Path, shares: list[dict[str, dict]],

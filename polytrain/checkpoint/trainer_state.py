@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from polytrain.checkpoint import manifest
+from polytrain.checkpoint.async_save import BackgroundWriter, stage_to_host
 from polytrain.checkpoint.directory import TMP_PREFIX, agree, dcp_cause, torch_bytes, write_checkpoint_dir
 from polytrain.checkpoint.run_dir import RunDir
 from polytrain.errors import CheckpointError
@@ -218,12 +219,17 @@ def _json_bytes(state: TrainerState) -> bytes:
 
 
 class Checkpointer:
-    """Saves and restores model, optimizer and trainer state for one run directory."""
+    """Saves and restores model, optimizer and trainer state for one run directory.
 
-    def __init__(self, run_dir: Path, keep: int, rng_state: Any, set_rng_state: Any):
+    `async_save`: `save` stages the state in host memory and writes it in a background thread
+    (async_save.py), returning while the write runs; `wait` ends it (the next save does too).
+    """
+
+    def __init__(self, run_dir: Path, keep: int, rng_state: Any, set_rng_state: Any, async_save: bool = False):
         self.root = checkpoints_dir(run_dir)
         self.keep = keep
         self._rng_state, self._set_rng_state = rng_state, set_rng_state
+        self._writer = BackgroundWriter() if async_save else None
 
     def clear_partial(self) -> None:
         """Remove directories left by saves that never finished (rank 0, at start-up)."""
@@ -235,24 +241,43 @@ class Checkpointer:
 
     def save(self, tensors: Stateful, state: TrainerState) -> Path:
         """Write `tensors.state_dict()` ({"model", "optim"}: the data-parallel strategy's) and `state`
-        (of the model, only the adapters when `state.base` is set)."""
+        (of the model, only the adapters when `state.base` is set). Collective. Asynchronous saves
+        return once the state is staged, with the checkpoint still being written (`wait`)."""
         rank = _rank()
+        rng = torch_bytes(self._rng_state())  # now: the steps the thread overlaps draw from the RNGs
 
         def rank_files() -> dict[str, bytes]:
             if os.environ.get(_KILL_DURING_SAVE_ENV) == str(state.step):
                 os.kill(os.getpid(), signal.SIGKILL)  # the test's power cut: shards written, the rest not
             if os.environ.get(_FAIL_RNG_SAVE_ENV) == f"{state.step}:{rank}":
                 (self.root / f"{TMP_PREFIX}step_{state.step}" / "rng" / f"rank_{rank}.pt").mkdir(parents=True)
-            return {f"rng/rank_{rank}.pt": torch_bytes(self._rng_state())}
+            return {f"rng/rank_{rank}.pt": rng}
 
+        final, state_bytes = self.root / f"step_{state.step}", _json_bytes(state)
+
+        def write(tensors_sd: dict[str, Any], group: Any) -> None:
+            write_checkpoint_dir(final, tensors_sd, rank_files=rank_files,
+                                 main_files=lambda: {STATE_FILE: state_bytes}, group=group)
+            # Agreed, not a barrier: a checkpoint pruning cannot read fails rank 0 alone.
+            agree(self._prune if rank == 0 else None, group)
+
+        if self._writer is not None:
+            self._writer.wait()  # one save in flight; its staged copy is freed before the next is made
         tensors_sd = tensors.state_dict()
         if state.adapters_only:  # the frozen base is in state.base
             tensors_sd = {**tensors_sd, "model": {k: v for k, v in tensors_sd["model"].items() if is_adapter_key(k)}}
-        final = write_checkpoint_dir(self.root / f"step_{state.step}", tensors_sd,
-                                     rank_files=rank_files, main_files=lambda: {STATE_FILE: _json_bytes(state)})
-        # Agreed, not a barrier: a checkpoint pruning cannot read fails rank 0 alone.
-        agree(self._prune if rank == 0 else None)
+        if self._writer is None:
+            write(tensors_sd, None)
+        else:
+            staged = stage_to_host(tensors_sd)
+            self._writer.submit(lambda group: write(staged, group), final.name)
         return final
+
+    def wait(self) -> None:
+        """Block until an asynchronous save in flight is complete on disk; raise its error (a
+        CheckpointError) if it failed. Nothing to do for synchronous saves."""
+        if self._writer is not None:
+            self._writer.wait()
 
     def _prune(self) -> None:
         if self.keep == 0:

@@ -114,7 +114,10 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     source: str = "stdlib"
-    """'stdlib' (the .py sources of the running Python) or a path: .txt, .jsonl (field text), prepared .bin."""
+    """'stdlib' (the .py sources of the running Python), a path (.txt, .jsonl, .parquet, .arrow, a directory
+    of them, a prepared .bin) or hf:NAME[:CONFIG][:SPLIT] (Hugging Face Datasets: a name or a local path)."""
+    text_field: str = "text"
+    """.jsonl field / .parquet, .arrow and hf: column that holds each document's text."""
     sources: str = field(default="", metadata={"sources": True})
     """Several corpora blended by weight in place of source (left at stdlib): TOML [{path = "...", weight = W}, ...] or "PATH:W,..."."""
     tokenizer: str = "bpe"
@@ -417,6 +420,9 @@ class CheckpointConfig:
     """'auto' = newest complete checkpoint (or snapshot) of this run, 'none' = start fresh, or a checkpoint path."""
     snapshot_every: int = 0
     """Steps between host-memory (/dev/shm) snapshots a restart resumes from when newer than the newest checkpoint; 0 = none."""
+    async_save: bool = True
+    """Write checkpoints in a background thread from a host-memory copy while training goes on (one in flight;
+    still atomic); false = training waits for each write. Runs with parallel.offload / offload_params save synchronously."""
 
 
 @dataclass

@@ -66,7 +66,7 @@ def shared_tokenizer(sources: list[Source], data_cfg: DataConfig, vocab_size: in
             raise ConfigError(f"data.sources: {bins[0]} does not exist")
         tokenizer = load_prepared(bins[0]).tokenizer
     else:
-        tokenizer = _resolve_tokenizer(data_cfg, _union([open_corpus(s.path) for s in sources]), vocab_size, cache)
+        tokenizer = _resolve_tokenizer(data_cfg, _union([open_corpus(s.path, data_cfg.text_field) for s in sources]), vocab_size, cache)
     path = cache / "tokenizers" / f"shared-{tokenizer.fingerprint}.json"
     if not path.is_file():
         tokenizer.save(path)

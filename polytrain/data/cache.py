@@ -64,7 +64,7 @@ def prepare_corpus(
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if Path(data_cfg.source).suffix == ".bin":
         return _use_prepared(data_cfg, vocab_size, cache)
-    corpus = open_corpus(data_cfg.source)
+    corpus = open_corpus(data_cfg.source, data_cfg.text_field)
     tokenizer = _resolve_tokenizer(data_cfg, corpus, vocab_size, cache)
     key = _key(PACK_VERSION, corpus.identity, tokenizer.fingerprint, data_cfg.val_fraction)
     out = cache / "tokens" / f"{corpus.kind}-{key}.bin"
@@ -75,22 +75,24 @@ def prepare_corpus(
             log.warning("cached token files %s unusable (%s); preparing them again", out, e)
     start = time.perf_counter()
     log.info("tokenizing %s into %s (once; later runs reuse it)", data_cfg.source, out)
-    prepared = prepare(data_cfg.source, tokenizer, out, data_cfg.val_fraction)
+    prepared = prepare(data_cfg.source, tokenizer, out, data_cfg.val_fraction, data_cfg.text_field)
     log.info("tokenized %d train + %d val tokens in %.1f s", prepared.n_train_tokens,
              prepared.n_val_tokens, time.perf_counter() - start)
     return prepared
 
 
 def prepare_to(source: str, out: str | Path, *, tokenizer: str = "bpe", vocab_size: int,
-               val_fraction: float, cache_dir: Path | None = None) -> PreparedCorpus:
+               val_fraction: float, text_field: str = "text",
+               cache_dir: Path | None = None) -> PreparedCorpus:
     """`polytrain prepare`: tokenize `source` once into `out` (.bin) for use as data.source."""
     if Path(out).suffix != ".bin" or Path(out).is_dir():
         raise ConfigError(f"the output path {out} must be a file name ending in .bin")
-    data_cfg = DataConfig(source=source, tokenizer=tokenizer, val_fraction=val_fraction)
+    data_cfg = DataConfig(source=source, tokenizer=tokenizer, val_fraction=val_fraction, text_field=text_field)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    corpus = open_corpus(source)
+    corpus = open_corpus(source, text_field)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    return prepare(source, _resolve_tokenizer(data_cfg, corpus, vocab_size, cache), Path(out), val_fraction)
+    return prepare(source, _resolve_tokenizer(data_cfg, corpus, vocab_size, cache), Path(out), val_fraction,
+                   text_field)
 
 
 def _check_vocab(tokenizer: Tokenizer, vocab_size: int, what: str) -> None:

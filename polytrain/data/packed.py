@@ -66,12 +66,16 @@ def _batches(docs: Iterator[Document]) -> Iterator[list[Document]]:
         yield batch
 
 
-def prepare(source: str, tokenizer: Tokenizer, out: Path, val_fraction: float) -> PreparedCorpus:
-    """Tokenize every document of `source` once into `out` (train) and its siblings (module doc)."""
+def prepare(source: str, tokenizer: Tokenizer, out: Path, val_fraction: float,
+            text_field: str = "text") -> PreparedCorpus:
+    """Tokenize every document of `source` once into `out` (train) and its siblings (module doc).
+
+    Streams: documents are read, encoded and appended BATCH_CHARS at a time, so a source larger
+    than memory (a big .jsonl, Parquet, Arrow, a Hugging Face dataset) never sits in RAM whole."""
     out = Path(out)
     if out.suffix != ".bin":
         raise ConfigError(f"prepared token file {out} must end in .bin")
-    corpus = open_corpus(source)
+    corpus = open_corpus(source, text_field)
     split = plan_split(corpus.documents(), val_fraction)
     dtype = token_dtype(tokenizer.vocab_size)
     val_path, tok_path, meta_path = sibling_paths(out)

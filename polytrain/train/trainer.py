@@ -107,7 +107,10 @@ class Trainer:
         # The global batch of each step, by samples consumed (constant unless it ramps up).
         self.batch_schedule = BatchSchedule.from_config(cfg.train)
         self.scaler = self._loss_scaler()
-        self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self._rng_state, self._set_rng_state)
+        # Offloaded states already live in host memory or files: staging would copy them again.
+        async_save = cfg.checkpoint.async_save and cfg.parallel.offload == cfg.parallel.offload_params == "none"
+        self.checkpointer = Checkpointer(self.run_dir, cfg.checkpoint.keep, self._rng_state, self._set_rng_state,
+                                         async_save=async_save)
         self.step = 0  # batches trained, skipped fp16 steps included (DeepSpeed's global_steps)
         self.optimizer_steps = 0  # updates applied: the lr schedule's position (skips hold it, as in DeepSpeed)
         self.snapshots: Checkpointer | None = None  # made at the first snapshot, once the run directory exists
@@ -401,7 +404,10 @@ class Trainer:
             bar.close()
         last_val = self.evaluate()
         self.metrics.log({"step": self.step, "val_loss": last_val, "time": time.perf_counter() - start})
-        checkpoint = self.save() if saved_step != self.step else latest_checkpoint(self.run_dir)
+        checkpoint = self.save() if saved_step != self.step else None
+        with self.watchdog.watch("checkpoint", self.step):
+            self.checkpointer.wait()  # the run ends with its checkpoints on disk, or their error
+        checkpoint = checkpoint or latest_checkpoint(self.run_dir)
         if cfg.checkpoint.snapshot_every and main:  # the run is complete on disk: its RAM snapshots go
             shutil.rmtree(snapshot_dir(self.run_dir), ignore_errors=True)
         # Generation runs on one process under pipelines and tp grids (whose ranks each

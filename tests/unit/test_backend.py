@@ -228,3 +228,12 @@ def test_no_vendor_names_outside_backend():
         if banned.search(line)
     ]
     assert not offenders, "vendor API outside polytrain/backend/:\n" + "\n".join(offenders)
+
+
+def test_timing_the_peak_leaves_the_global_random_stream_alone():
+    """The peak is timed at start-up, after seeding: its operands must not draw from torch's generator."""
+    torch.manual_seed(1234)
+    expected = torch.rand(4)
+    torch.manual_seed(1234)
+    flops.measure_matmul_flops(torch.float32, budget_s=0.01)
+    assert torch.equal(torch.rand(4), expected)
