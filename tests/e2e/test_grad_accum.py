@@ -5,8 +5,8 @@ gradient shard), ZeRO-2 over 2 ranks (fp32 shards), and a 2-stage pipeline with 
 embeddings at ZeRO-1 (one rank per stage: the tied copies' fp32 sums are added across the
 stages) and at ZeRO-2 with offload (the tied copies wait in a device fp32 sum reduced at the
 step). Each run is compared with the fp32 single process, the same 64 sequences a step:
-losses and gradient norms within 1%. Measured: losses within 5e-5, gradient norms within 0.17% (one Linear's figures, the
-precision itself, are tests/unit/test_grad_accum_precision.py's).
+losses and gradient norms within 1%. Measured: losses within 5e-5, gradient norms within
+0.17% (the precision itself, on one Linear, is tests/unit/test_grad_accum_precision.py's).
 """
 
 from __future__ import annotations
