@@ -27,8 +27,9 @@ Two implementations:
 16-bit model states (train.precision bf16/fp16 without train.autocast_only): FSDP2 keeps
 its sharded (zero 3) or replicated (zero 0) parameters in fp32 as the optimizer's masters
 and computes with 16-bit copies (MixedPrecisionPolicy: all-gathered in 16 bits, gradients
-reduced and kept in fp32); ZeroDataParallel computes with 16-bit replicas beside its fp32
-master shards. A single data-parallel rank uses ZeroDataParallel for its masters whatever
+reduced and kept in fp32, also summed over micro-batches in fp32); ZeroDataParallel computes
+with 16-bit replicas beside its fp32 master shards and sums their gradients in fp32 unless
+train.grad_accum_dtype = "param" (zero.py). A single data-parallel rank uses ZeroDataParallel for its masters whatever
 parallel.zero says (with one rank the stages differ only in when gradients are copied).
 
 With pipeline parallelism (pp > 1) each of the rank's stages gets its own strategy (by

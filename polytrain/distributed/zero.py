@@ -5,24 +5,41 @@ every weight) as compute parameters and runs forward and backward on them. What 
 sharded over the dp ranks:
 
 - stage 1: the fp32 master weights and the optimizer state. Gradients accumulate
-  full-size in `param.grad` over the micro-batches and are reduce-scattered once,
-  during the last micro-batch's backward.
+  full-size over the micro-batches and are reduce-scattered once, during the last
+  micro-batch's backward.
 - stage 2: also the gradients. Every micro-batch's backward reduce-scatters
   gradients bucket by bucket as they become ready (overlapping the rest of
   backward), frees each full gradient once it has been copied out, and adds the
   result to this rank's gradient shard.
 
 Precision (`param_dtype`). fp32: compute weights, gradients and shards are fp32 (the
-masters duplicate this rank's rows of the weights). 16-bit (bf16/fp16 model states, as
-in the ZeRO paper): the compute weights and their gradients are 16-bit; the masters and
-the optimizer state fp32; per rank 2 psi (weights) + 2 psi (stage 1: full gradients) +
-12 psi / N, or 2 psi + 14 psi / N at stage 2, whose gradient shard is 16-bit. fp32 is used
-where precision needs it: the reduce-scatter sums the ranks' gradients in fp32 buffers
-(the send buffer is filled by upcasting), the result is rounded once into the shard,
-the gradient norm is accumulated in fp32, and each bucket's shard is upcast to fp32 for
-unscaling, clipping and the update just before its step (one bucket at a time, so the
-fp32 copy costs one bucket of memory). The updated masters are rounded to 16 bits before
-the all-gather, which then moves half the bytes.
+masters duplicate this rank's rows of the weights), gradients accumulate in `param.grad`.
+16-bit (bf16/fp16 model states, as in the ZeRO paper): the compute weights and the
+gradients autograd makes are 16-bit; the masters and the optimizer state fp32. Gradients
+are summed over micro-batches in fp32 (`accum_dtype`, train.grad_accum_dtype), as
+Megatron's main_grad and DeepSpeed do: a 16-bit sum loses the small late micro-batches'
+low bits (one bf16 Linear: 1.4% relative error after 256 micro-batches, 0.01% summed in
+fp32, benchmarks/grad_accum_precision.py). Where a bucket's gradients wait for a later
+reduction (stage 1 before the last micro-batch, a pipeline's stage 1 and tied copies) its
+post-accumulate-grad hook adds each 16-bit `param.grad` into the bucket's fp32 `main`
+(M,) (the local tensors one after another, unpadded; made at first use, kept, zeroed
+once its sum is copied out) and frees `param.grad`; stage 2 and every last micro-batch
+reduce into an fp32 gradient shard, which sums the micro-batches. Bytes per parameter
+and rank (psi parameters, N ranks, Adam), 16-bit states:
+
+    stage 1   2 weights + 4 fp32 sum (2: the 16-bit gradient with one micro-batch a step) + 12/N + 4/N shard
+    stage 2   2 weights + 12/N + 4/N shard (+ the fp32 send buffers of two buckets in flight)
+    one rank  2 + 4 + 12: the hook adds straight into the fp32 shard (`main` is it; nothing to reduce)
+
+`accum_dtype` = param_dtype (train.grad_accum_dtype = "param") keeps the older memory
+saver: `param.grad` accumulates in 16 bits and the shard is 16-bit (2 psi + 2 psi +
+14 psi / N at stage 1, 2 psi + 14 psi / N at stage 2). Either way fp32 is used where
+precision needs it: the reduce-scatter sums the ranks' gradients in fp32 buffers (the send
+buffer is filled by upcasting; 4 bytes per element on the wire, a ring moving
+(N - 1) / N of them per rank and reduction), the gradient norm is accumulated in fp32, and
+each bucket's shard is used in fp32 for unscaling, clipping and the update (a 16-bit
+shard upcast just before its step, one bucket at a time). The updated masters are
+rounded to 16 bits before the all-gather, which then moves half the bytes.
 
 Layout. Each parameter's local tensor of shape (d0, ...) is cut along dim 0 into dp
 pieces the way `torch.chunk` cuts it: c = ceil(d0 / dp) rows per piece, rank r owns rows
@@ -36,10 +53,12 @@ rows, and the parameters of one bucket are laid out per rank:
 
     send buffer (dp, S)   row r = [piece r of p0 | piece r of p1 | ...]   (full gradients, fp32)
     master, grad (S,)     this rank's [piece of p0 | piece of p1 | ...]  (padding stays zero)
+    main (M,)             [all of p0 | all of p1 | ...]                  (16-bit states: fp32 sums, unpadded)
 
 The gradient shards exist only while there are gradients: allocated by the first
-reduction of a step, dropped by `zero_grad`. After the optimizer steps (bucket by
-bucket) the master shards are all-gathered back into the compute parameters.
+reduction of a step, dropped by `zero_grad` (one rank summing in fp32: `main`, kept).
+After the optimizer steps (bucket by bucket) the master shards are all-gathered back into
+the compute parameters.
 
 Where the flat buffers, and so the optimizer state and step, live is the
 `ShardStore`'s business (offload.py): on the accelerator, or on the host with
@@ -102,6 +121,7 @@ class Slot:
     piece: int  # padded elements per rank: ceil(d0 / dp) * row
     rows: int  # rows this rank really owns (<= ceil(d0 / dp))
     row: int  # elements per dim-0 row of the local tensor
+    main_offset: int = 0  # start of its local tensor in the bucket's fp32 gradient sum `main` (M,)
 
 
 @dataclass
@@ -114,6 +134,9 @@ class Bucket:
     index: int = 0  # position in the plan (names the store's buffers)
     grad: torch.Tensor | None = None  # (S,) reduced-gradient shard, from the step's first reduction
     deferred: bool = False  # reduced only when the step begins (keep_full_grads)
+    main_size: int = 0  # M: elements of the slots' local tensors, unpadded
+    main: torch.Tensor | None = None  # (M,) fp32 sum of 16-bit gradients over micro-batches; kept once made
+    in_main: bool = False  # this step's gradients so far are summed in `main` (zeroed when they leave it)
     ready: set[int] = field(default_factory=set)  # ids of params whose gradient is final
     launched: bool = False  # reduce-scatter started for the current micro-batch
 
@@ -143,9 +166,10 @@ def plan_buckets(named: list[tuple[str, nn.Parameter]], bucket_bytes: int, dp: i
 
     def bucket(slots: list[Slot], size: int) -> Bucket:
         device, index = slots[0].param.device, first_index + len(buckets)
-        return Bucket(slots, size, store.master(index, size, device), index)
+        main_size = slots[-1].main_offset + _local(slots[-1].param).numel()
+        return Bucket(slots, size, store.master(index, size, device), index, main_size=main_size)
 
-    buckets, slots, size, used = [], [], 0, 0
+    buckets, slots, size, used, main = [], [], 0, 0, 0
     for fqn, param in named:
         local = _local(param)
         if local.ndim == 0:
@@ -153,12 +177,13 @@ def plan_buckets(named: list[tuple[str, nn.Parameter]], bucket_bytes: int, dp: i
         nbytes = local.numel() * local.element_size()
         if slots and used + nbytes > bucket_bytes:
             buckets.append(bucket(slots, size))
-            slots, size, used = [], 0, 0
+            slots, size, used, main = [], 0, 0, 0
         row = local[0].numel() if local.shape[0] else math.prod(local.shape[1:])
         per = math.ceil(local.shape[0] / dp)
-        slots.append(Slot(param, fqn, size, per * row, shard_rows(local.shape[0], dp, rank)[1], row))
+        slots.append(Slot(param, fqn, size, per * row, shard_rows(local.shape[0], dp, rank)[1], row, main))
         size += per * row
         used += nbytes
+        main += local.numel()
     if slots:
         buckets.append(bucket(slots, size))
     return buckets
@@ -195,7 +220,8 @@ class ZeroDataParallel:
 
     Where things live (`store` decides the device):
     - `buckets[i].master` / `.grad`: flat buffers (S,) with this rank's fp32 master and
-      reduced-gradient (param_dtype) shards of the bucket's parameters;
+      reduced-gradient (`grad_dtype`: fp32 unless accumulating in 16 bits) shards of the
+      bucket's parameters; `.main` (M,) the fp32 sum of full 16-bit gradients awaiting reduction (on the device);
     - `masters`: FQN -> plain fp32 parameter (rows, ...) viewing this rank's rows of a `master` buffer;
     - `optimizer`: the inner torch optimizer over `masters`; `optimizer.state` holds
       the sharded optimizer state, plain local tensors shaped like the masters.
@@ -203,11 +229,16 @@ class ZeroDataParallel:
 
     def __init__(self, acc: Accelerator, mesh: DeviceMesh | None, stage: int, bucket_bytes: int,
                  store: ShardStore | None = None, param_dtype: torch.dtype = torch.float32,
-                 pipelined: bool = False, tp: int = 1, auto_buckets: bool = False):
+                 pipelined: bool = False, tp: int = 1, auto_buckets: bool = False,
+                 accum_dtype: torch.dtype = torch.float32):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements stages 1 and 2, not {stage}")
         self.acc, self.mesh, self.stage, self.bucket_bytes = acc, mesh, stage, bucket_bytes
         self.param_dtype, self.pipelined = param_dtype, pipelined
+        # What gradients are summed in over micro-batches, and the gradient shards' dtype:
+        # fp32 under 16-bit weights unless accum_dtype is their own (train.grad_accum_dtype).
+        self.grad_dtype = torch.promote_types(param_dtype, accum_dtype)
+        self.main_grads = self.grad_dtype != param_dtype  # 16-bit gradients summed into fp32 `main` buffers
         # auto_buckets: bucket_bytes is only the bound; build_optimizer measures (bucket_size.py).
         self.auto_buckets, self.bucket_choice = auto_buckets, None
         self.tp = tp  # ranks holding a copy of each plain (not tensor-parallel) parameter's rows
@@ -216,6 +247,9 @@ class ZeroDataParallel:
         # mesh None: one data-parallel rank, no process group.
         self.group = mesh.get_group() if mesh is not None else None
         self.rank, self.size = (mesh.get_local_rank(), mesh.size()) if mesh is not None else (0, 1)
+        # One rank whose shards live on the device: nothing to reduce, each bucket's fp32
+        # sum `main` is its gradient shard (same layout: no padding at dp = 1).
+        self._direct = self.main_grads and self.group is None and not self.store.offloaded
         self.by_all_reduce = acc.reduce_scatter_by_all_reduce  # see reduce_scatter.py
         self.device = torch.device("cpu")  # of the compute parameters, set by build_optimizer
         self.model: nn.Module | None = None
@@ -225,6 +259,7 @@ class ZeroDataParallel:
         self.keep_full_grads: set[str] = set()  # set before build_optimizer (see the module docstring)
         self.comm = CommCounts()
         self._slot_of: dict[str, Slot] = {}
+        self._slot_of_param: dict[int, Slot] = {}
         self._bucket_of: dict[int, Bucket] = {}
         self._pending: list[tuple[dist.Work | None, torch.Tensor, Bucket, torch.Tensor]] = []
         self._grad_factor: torch.Tensor | None = None  # clipping's coefficient, applied at the step
@@ -264,7 +299,7 @@ class ZeroDataParallel:
         for bucket in self.buckets:
             for slot in bucket.slots:
                 by_fqn[slot.fqn] = by_param[id(slot.param)] = self._master_of(bucket, slot)
-                self._slot_of[slot.fqn] = slot
+                self._slot_of[slot.fqn] = self._slot_of_param[id(slot.param)] = slot
                 self._bucket_of[id(slot.param)] = bucket
                 # Kept to remove in close(): the hook is a bound method held by autograd's
                 # C++ side, a cycle the garbage collector cannot see, which would keep the
@@ -346,10 +381,14 @@ class ZeroDataParallel:
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         # Runs inside backward once `param.grad` holds this backward's full gradient.
-        if not self._reducing:
-            return
         bucket = self._bucket_of[id(param)]
-        if bucket.deferred:
+        if self._direct:
+            self._sum_into_main(bucket, param)
+            return
+        held = bucket.deferred or not self._reducing  # reduced in a later micro-batch or at the step
+        if self.main_grads and (held or bucket.in_main):  # earlier micro-batches' sum is there: add this one
+            self._sum_into_main(bucket, param)
+        if held:
             return
         if bucket.launched:
             if not self.pipelined:
@@ -361,16 +400,51 @@ class ZeroDataParallel:
             self._launch(bucket)
 
     @torch.no_grad()
+    def _sum_into_main(self, bucket: Bucket, param: nn.Parameter) -> None:
+        """Add `param`'s 16-bit gradient from this backward into the bucket's fp32 sum, and free it."""
+        self._main_view(bucket, self._slot_of_param[id(param)]).add_(_local(param.grad))
+        bucket.in_main = True
+        param.grad = None
+
+    def _main(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's fp32 sum (M,): made once, at first use, then kept (zeroed when its sum leaves it)."""
+        if bucket.main is None:
+            bucket.main = torch.zeros(bucket.main_size, dtype=torch.float32, device=self.device)
+        return bucket.main
+
+    def _main_view(self, bucket: Bucket, slot: Slot) -> torch.Tensor:
+        """`slot`'s parameter's fp32 gradient sum inside the bucket's `main`, shaped like its local tensor."""
+        local = _local(slot.param)
+        return self._main(bucket)[slot.main_offset:slot.main_offset + local.numel()].view(local.shape)
+
+    def accumulated_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+        """The step's gradient of `param` so far, before reduction: its fp32 sum, or `param.grad`.
+
+        Local shape (a tensor-parallel parameter's shard). In place changes count (the
+        pipeline's tied-embedding sum writes into it).
+        """
+        bucket = self._bucket_of.get(id(param))
+        if bucket is not None and bucket.in_main:
+            return self._main_view(bucket, self._slot_of_param[id(param)])
+        return param.grad
+
+    @torch.no_grad()
     def _launch(self, bucket: Bucket) -> None:
-        """Start the bucket's reduce-scatter (in fp32) and free its full gradients."""
+        """Start the bucket's reduce-scatter (in fp32) and free its full gradients (or zero their fp32 sum)."""
         send = torch.empty(self.size, bucket.size, dtype=torch.float32, device=self.device)  # (dp, S)
         for slot in bucket.slots:
+            if bucket.in_main and slot.param.grad is not None:  # left outside the sum (set by hand)
+                self._sum_into_main(bucket, slot.param)
             pieces = send[:, slot.offset:slot.offset + slot.piece]  # (dp, piece)
-            if slot.param.grad is None:  # unused in this backward: contributes zeros
+            grad = self.accumulated_grad(slot.param)
+            if grad is None:  # unused in this backward: contributes zeros
                 pieces.zero_()
             else:
-                split_into_pieces(_local(slot.param.grad).reshape(-1), pieces)
+                split_into_pieces(_local(grad).reshape(-1), pieces)
                 slot.param.grad = None
+        if bucket.in_main:  # copied out: the next step's sum starts from zero
+            bucket.main.zero_()
+            bucket.in_main = False
         # recv (S,): the sum of every rank's pieces for this rank, once `work` is done
         work, recv = start_reduce_scatter(send, self.group, self.rank, self.by_all_reduce)
         self.comm.reduce_scatter_calls += 1
@@ -395,10 +469,10 @@ class ZeroDataParallel:
             work.wait()
         recv.div_(self.size)  # the average over data-parallel ranks, in fp32
         if bucket.grad is None:  # the step's first reduction: the shard starts as it (a copy)
-            bucket.grad = self.store.grad(bucket.index, bucket.size, self.device, self.param_dtype)
+            bucket.grad = self.store.grad(bucket.index, bucket.size, self.device, self.grad_dtype)
             bucket.grad.copy_(recv)  # offloaded, a (blocking) copy to the host shard
-        else:
-            bucket.grad.add_(recv.to(bucket.grad.device))  # rounded once into a 16-bit shard
+        else:  # a later micro-batch's (stage 2): summed in fp32 (rounded each time with "param")
+            bucket.grad.add_(recv.to(bucket.grad.device))
 
     def _settle(self, bucket: Bucket) -> None:
         """Finish reductions up to and including `bucket`'s, and let it be reduced again."""
@@ -410,7 +484,9 @@ class ZeroDataParallel:
     def _flush(self) -> None:
         """Reduce whatever gradients backward left (e.g. of unused parameters) and wait for all reductions."""
         for bucket in self.buckets:
-            if not bucket.launched and any(s.param.grad is not None for s in bucket.slots):
+            if self._direct:  # the sums are the shards already
+                continue
+            if not bucket.launched and (bucket.in_main or any(s.param.grad is not None for s in bucket.slots)):
                 self._launch(bucket)
         while self._pending:
             self._finish_oldest()
@@ -425,15 +501,17 @@ class ZeroDataParallel:
 
     def _shard(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's reduced-gradient shard; zeros if none of its parameters had a gradient."""
-        if bucket.grad is None:
-            bucket.grad = self.store.grad(bucket.index, bucket.size, self.device, self.param_dtype)
+        if bucket.grad is None and self._direct:  # the fp32 sum itself, zeroed by zero_grad
+            bucket.grad, bucket.in_main = self._main(bucket), True
+        elif bucket.grad is None:
+            bucket.grad = self.store.grad(bucket.index, bucket.size, self.device, self.grad_dtype)
         return bucket.grad
 
     def gradients(self) -> list[torch.Tensor]:
         """This rank's final gradients, once every reduction is done: each bucket's shard, in fp32.
 
-        For fp16 loss scaling, which unscales them in place: 16-bit shards are upcast here,
-        all at once (2 bytes per sharded parameter more until the step).
+        For fp16 loss scaling, which unscales them in place: 16-bit shards (grad_accum_dtype
+        "param") are upcast here, all at once (2 bytes per sharded parameter more until the step).
         """
         self._finish_backward()
         for bucket in self.buckets:
@@ -501,6 +579,9 @@ class ZeroDataParallel:
         self._grad_factor = None  # also after a skipped (fp16 overflow) step
         for bucket in self.buckets:
             bucket.grad = None
+            if bucket.in_main:  # one rank's shard, or a sum never reduced: the next step starts from zero
+                bucket.main.zero_()
+                bucket.in_main = False
             for slot in bucket.slots:
                 slot.param.grad = None
 

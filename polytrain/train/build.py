@@ -38,7 +38,7 @@ from polytrain.distributed.materialize import materialize
 from polytrain.distributed.pipeline import PipelinePlan, PipelineRunner, split_model
 from polytrain.distributed.pipeline.build import StageShapes, build_pipeline
 from polytrain.distributed.runtime import Runtime
-from polytrain.distributed.strategies import build_data_parallel, param_dtype_of
+from polytrain.distributed.strategies import build_data_parallel, grad_accum_dtype_of, param_dtype_of
 from polytrain.distributed.tensor_parallel import Context, parallelize_model
 from polytrain.errors import ConfigError
 from polytrain.lora import adapter_parameter_count, apply_lora
@@ -211,7 +211,8 @@ def build_model(runtime: Runtime, cfg: Config, pipeline: PipelinePlan | None = N
     dtype = AUTOCAST[cfg.train.precision]
     # 16-bit compute weights and gradients over fp32 masters, or fp32 throughout.
     param_dtype = param_dtype_of(cfg.train)
-    dp = build_data_parallel(runtime, cfg.parallel, run_dir, param_dtype=param_dtype)
+    dp = build_data_parallel(runtime, cfg.parallel, run_dir, param_dtype=param_dtype,
+                             accum_dtype=grad_accum_dtype_of(cfg.train))
     model = dp.parallelize(stages if pipeline else model)
     # 16-bit states: the fp32 masters start as copies of the 16-bit initial weights.
     weights = WeightInit(cfg.run.seed, param_dtype if param_dtype != torch.float32 else None,

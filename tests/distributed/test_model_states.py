@@ -4,10 +4,10 @@ Each layout reproduces the single-process run and resumes at another layout. fp3
 must agree to 1e-5 as all layouts do. 16-bit layouts are compared with the 16-bit single
 process. bf16 keeps 8 significant bits (a relative spacing of 2^-8 = 4e-3), and the
 layouts differ in the order of their fp32 sums (the reduction over ranks, the norm) and
-in where gradients accumulate over micro-batches (FSDP2 in fp32, ZeRO-1/2 in the 16-bit
-gradient, as DeepSpeed's ZeRO-2 does), so a step's gradient norm may differ by up to
-about one bf16 spacing: measured 2.7e-3 at most over the 10 tiny-model steps, and the loss
-5e-5. tolerances of 2e-4 and 1e-2 keep a margin; a layout that loses
+in the 16-bit rounding of per-rank gradients (FSDP2 and ZeRO-1/2 both sum them over
+micro-batches in fp32), so a step's gradient norm may differ by up to about one bf16
+spacing: measured 2.7e-3 at most over the 10 tiny-model steps (when ZeRO-1/2 still summed
+in 16 bits), and the loss 5e-5. tolerances of 2e-4 and 1e-2 keep a margin; a layout that loses
 or doubles a gradient shard is off by far more (the first steps' norms by 30% and more).
 """
 

@@ -51,7 +51,7 @@ def build_pipeline(stages: nn.ModuleDict, plan: PipelinePlan, runtime: Runtime, 
     `head_scores`: the last stage's head is a deferred chunked-loss head, so the stage
     outputs hidden states.
     """
-    copies = TiedEmbeddings(stages, plan, runtime.mesh) if tied else None
+    copies = TiedEmbeddings(stages, plan, runtime.mesh, dp.accumulated_grad) if tied else None
     for stage in stages.values():
         weights(stage, runtime.device, init_as=COPIES if copies else None)
         run_under(stage, autocast)  # the schedule calls the stages; autocast goes with them

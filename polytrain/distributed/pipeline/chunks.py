@@ -98,6 +98,13 @@ class PipelineDataParallel:
     def before_micro_batch(self, model: nn.Module, last: bool) -> None:
         """Nothing: the pipeline schedule defers gradient reduction to each stage's last backward itself."""
 
+    def accumulated_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+        """The step's gradient of `param` so far, from the stage strategy holding it (ZeRO-1/2 may
+        sum 16-bit gradients in fp32 outside `param.grad`); `param.grad` elsewhere."""
+        # A strategy not holding `param` answers param.grad, None while the holder sums it elsewhere.
+        found = (s.accumulated_grad(param) for s in self.strategies.values() if hasattr(s, "accumulated_grad"))
+        return next((grad for grad in found if grad is not None), param.grad)
+
     def gradients(self) -> list[torch.Tensor]:
         return [g for s in self.strategies.values() for g in s.gradients()]
 

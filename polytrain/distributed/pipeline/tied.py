@@ -21,6 +21,8 @@ group for the sum. ZB-V puts both stages on rank 0, where the sum is a local add
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -49,10 +51,13 @@ def pair_ranks(mesh: DeviceMesh, first: int, last: int) -> list[list[int]]:
 class TiedEmbeddings:
     """This rank's copies of the tied weight (the embedding's, the head's, both or none) and the group joining them.
 
-    Construct on every rank: process groups are created collectively.
+    Construct on every rank: process groups are created collectively. `grad_of(param)`: the
+    step's gradient of a copy so far (ZeRO-1/2's fp32 sum of 16-bit gradients; default `param.grad`).
     """
 
-    def __init__(self, stages: nn.ModuleDict, plan: PipelinePlan, mesh: DeviceMesh):
+    def __init__(self, stages: nn.ModuleDict, plan: PipelinePlan, mesh: DeviceMesh,
+                 grad_of: Callable[[nn.Parameter], torch.Tensor | None] = lambda param: param.grad):
+        self.grad_of = grad_of
         last = plan.num_stages - 1
         # The stage modules, not their parameters: materialize gives them new Parameters.
         self.first = stages["0"] if "0" in stages else None
@@ -76,11 +81,12 @@ class TiedEmbeddings:
         if not any(w is not None and w.requires_grad for w in (embedding, head)):
             return  # neither copy here, or frozen (a LoRA base): the copies stay equal
         if embedding is not None and head is not None:  # ZB-V: both on this rank
-            total = _local(embedding.grad) + _local(head.grad)
-            _local(embedding.grad).copy_(total)
-            _local(head.grad).copy_(total)
+            first, last = _local(self.grad_of(embedding)), _local(self.grad_of(head))
+            total = first + last
+            first.copy_(total)
+            last.copy_(total)
         elif self.group is not None:
             mine = embedding if embedding is not None else head
-            # Both copies are laid out alike (the same dp and tp placements of (V, D)),
-            # so the two ranks' local shards are the same rows and columns.
-            dist.all_reduce(_local(mine.grad), group=self.group)
+            # Both copies are laid out alike (the same dp and tp placements of (V, D)) and
+            # their gradients in the same dtype, so the two ranks' local tensors match.
+            dist.all_reduce(_local(self.grad_of(mine)), group=self.group)
