@@ -481,14 +481,15 @@ bool takes_host_indices(const c10::OperatorName& name) {
          name.name == "aten::index_put";
 }
 
-// CUDA's rule: every tensor argument on one device, except 0-dim host tensors (scalars).
+// CUDA's rule: every tensor argument on one device, except 0-dim host tensors read as scalars
+// (a host tensor written by an op on device tensors is refused, whatever its shape).
 void check_one_device(const c10::OperatorHandle& op, const torch::jit::Stack& stack, c10::Device* found) {
   const auto& arguments = op.schema().arguments();
   size_t first = stack.size() - arguments.size();
   std::optional<c10::Device> seen;
   bool exempt = takes_host_indices(op.schema().operator_name());
-  auto visit = [&](const at::Tensor& t, const std::string& name) {
-    if (!t.defined() || (t.device().is_cpu() && (t.dim() == 0 || exempt))) return;
+  auto visit = [&](const at::Tensor& t, const std::string& name, bool written) {
+    if (!t.defined() || (t.device().is_cpu() && ((t.dim() == 0 && !written) || exempt))) return;
     if (!seen) {
       seen = t.device();
     } else if (*seen != t.device()) {
@@ -500,13 +501,14 @@ void check_one_device(const c10::OperatorHandle& op, const torch::jit::Stack& st
   for (size_t i = 0; i < arguments.size(); ++i) {
     const c10::IValue& value = stack[first + i];
     const std::string& name = arguments[i].name();
+    bool written = arguments[i].alias_info() && arguments[i].alias_info()->isWrite();
     if (value.isTensor()) {
-      visit(value.toTensor(), name);
+      visit(value.toTensor(), name, written);
     } else if (value.isTensorList()) {
-      for (const at::Tensor& t : value.toTensorVector()) visit(t, name);
+      for (const at::Tensor& t : value.toTensorVector()) visit(t, name, written);
     } else if (value.isList()) {
       for (const c10::IValue& item : value.toListRef())
-        if (item.isTensor()) visit(item.toTensor(), name);
+        if (item.isTensor()) visit(item.toTensor(), name, written);
     }
   }
   if (seen && seen->type() == kDev) *found = *seen;
