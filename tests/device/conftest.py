@@ -51,7 +51,12 @@ def tier_env() -> dict[str, str]:
 
 @pytest.fixture
 def on_tier(tier_env, monkeypatch) -> dict[str, str]:
-    """Processes this test starts (ranks, subprocesses) run on the tier's accelerator."""
+    """Processes this test starts (ranks, subprocesses) run on the tier's accelerator; this
+    process stays on the CPU, where it computes the references: its accelerator is chosen (and
+    cached) before the variable changes."""
+    from polytrain.backend import get_accelerator
+
+    assert get_accelerator().name == "cpu", "the tier's references are the CPU's"
     for key, value in tier_env.items():
         monkeypatch.setenv(key, value)
     if tier_env["POLYTRAIN_ACCELERATOR"] == TEST_DEVICE:  # spawned ranks take this sys.path
