@@ -53,7 +53,7 @@ def _collectives(rank: int, world_size: int) -> dict[str, list]:
     return out
 
 
-def test_collectives_give_glooes_results(on_tier):
+def test_collectives_give_gloos_results_on_device_tensors(on_tier):
     got = run_ranks(2, _collectives)
     r0, r1 = [0.0, 1.0, 2.0, 3.0], [10.0, 11.0, 12.0, 13.0]
     for rank in (0, 1):

@@ -58,6 +58,8 @@ out["untimed"] = error(lambda: plain[0].elapsed_time(plain[1]))
 before = torch.testdev.memory_allocated()
 block = torch.empty(2**20, dtype=torch.uint8, device=d0)
 out["allocated_grew"] = torch.testdev.memory_allocated() - before
+with torch.autocast("testdev", dtype=torch.bfloat16):
+    out["autocast"] = [str((x @ x.T).dtype), str(torch.softmax(x, -1).dtype)]
 out["pinned"] = torch.ones(3).pin_memory().is_pinned()
 print(json.dumps(out))
 """
@@ -96,6 +98,7 @@ def test_it_fails_where_cuda_would_and_has_cudas_device_api(test_device):
     assert got["untimed"] == "Both events must be created with argument 'enable_timing=True'."
     assert got["allocated_grew"] >= 2**20
     assert got["pinned"] is True
+    assert got["autocast"] == ["torch.bfloat16", "torch.float32"]  # products low, softmax fp32
 
 
 def test_a_host_read_of_device_memory_crashes(test_device):

@@ -1,5 +1,5 @@
-"""Training on the tier's accelerator reproduces the CPU's losses: one process through the CLI,
-and in one 2-rank launch dp 2, ZeRO-1, ZeRO-3 with cpu offload (of the optimizer, then of the
+"""Training on the tier's accelerator reproduces the CPU's losses: `polytrain train` in one
+process and as tp 2 over 2 launched processes, and in one 2-rank launch dp 2, ZeRO-1, ZeRO-3 with cpu offload (of the optimizer, then of the
 parameters too), tp 2 (with sequence parallelism), pp 2, cp 2 (ring) and LoRA over dp 2, then tp 2
 resuming from the ZeRO-3 run's mid-run checkpoint (a checkpoint of device tensors, another
 layout).
@@ -73,13 +73,14 @@ def _train_layouts(rank: int, world_size: int, layouts: list[list[str]], checkpo
     return get_accelerator().name
 
 
-def test_one_process_trains_with_the_cpus_losses(on_tier, cpu_reference, small_corpus, tmp_path):
+@pytest.mark.parametrize("launch", [[], ["--parallel.nproc", "2", "--parallel.tp", "2"]], ids=["one_process", "tp2"])
+def test_polytrain_train_has_the_cpus_losses(launch, on_tier, cpu_reference, small_corpus, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "polytrain.cli", "train",
-                           *tiny_overrides(small_corpus, tmp_path, run__steps=STEPS)],
+                           *tiny_overrides(small_corpus, tmp_path, run__steps=STEPS), *launch],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"| {on_tier['POLYTRAIN_ACCELERATOR']}: " in proc.stdout + proc.stderr  # the run's device line
-    assert_same_trajectory(cpu_reference, train_rows(tmp_path), RTOL, "one process")
+    assert_same_trajectory(cpu_reference, train_rows(tmp_path), RTOL, f"polytrain train {' '.join(launch)}")
 
 
 def test_layouts_train_with_the_cpus_losses(on_tier, cpu_reference, small_corpus, tmp_path):

@@ -812,11 +812,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("memory", &memory, "(allocated, peak) bytes of a device");
   m.def("reset_peak", &reset_peak);
   m.def("default_generator", [](int d) { return default_generator(static_cast<DeviceIndex>(d)); });
-  m.def("is_guarded_address", [](uint64_t address) {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    Region* region = region_of(reinterpret_cast<void*>(address));
-    return region && g_guard && region->open == 0;
-  });
   m.def("staging_backend", [](c10::intrusive_ptr<c10d::Backend> gloo, int rank, int size) {
     return c10::intrusive_ptr<c10d::Backend>(c10::make_intrusive<StagingBackend>(std::move(gloo), rank, size));
   });
