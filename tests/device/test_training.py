@@ -2,7 +2,7 @@
 process and as tp 2 over 2 launched processes, and in one 2-rank launch dp 2, ZeRO-1, ZeRO-3 with cpu offload (of the optimizer, then of the
 parameters too), tp 2 (with sequence parallelism), pp 2, cp 2 (ring) and LoRA over dp 2, then tp 2
 resuming from the ZeRO-3 run's mid-run checkpoint (a checkpoint of device tensors, another
-layout).
+layout); in one 4-rank launch tp 2 x pp 2 and a 2D tensor-parallel grid.
 
 On the CPU, PyTorch's default device, a tensor made without `device=` or an index built on the
 host goes unnoticed; on another device it fails, as on a GPU. Each layout here found such a
@@ -56,20 +56,23 @@ def cpu_reference(small_corpus, tmp_path_factory) -> list[dict]:
     return cpu_run(small_corpus, tmp_path_factory.mktemp("cpu"), [])
 
 
-def _train_layouts(rank: int, world_size: int, layouts: list[list[str]], checkpoint: Path,
-                   resumed: list[str]) -> str:
-    """Train each layout, then `resumed` from a copy of `checkpoint` (written by a layout before)."""
+def _train_layouts(rank: int, world_size: int, layouts: list[list[str]],
+                   resume: tuple[Path, list[str]] | None = None) -> str:
+    """Train each layout, then (`resume` = (checkpoint, overrides)) a run from a copy of a
+    checkpoint a layout wrote."""
     import torch.distributed as dist
 
     from polytrain.backend import get_accelerator
 
     for overrides in layouts:
         train(overrides)
-    if rank == 0:
-        run_dir = Path(resumed[resumed.index("--run.out_dir") + 1])
-        shutil.copytree(checkpoint, run_dir / "checkpoints" / checkpoint.name)
-    dist.barrier()
-    train(resumed)
+    if resume is not None:
+        checkpoint, resumed = resume
+        if rank == 0:
+            run_dir = Path(resumed[resumed.index("--run.out_dir") + 1])
+            shutil.copytree(checkpoint, run_dir / "checkpoints" / checkpoint.name)
+        dist.barrier()
+        train(resumed)
     return get_accelerator().name
 
 
@@ -88,10 +91,20 @@ def test_layouts_train_with_the_cpus_losses(on_tier, cpu_reference, small_corpus
             for name, (extra, _) in LAYOUTS.items()]
     checkpoint = tmp_path / "zero3_offload" / "checkpoints" / f"step_{STEPS // 2}"
     resumed = tiny_overrides(small_corpus, tmp_path / "resumed", run__steps=STEPS) + ["--parallel.tp", "2"]
-    assert run_ranks(2, _train_layouts, runs, checkpoint, resumed) == [on_tier["POLYTRAIN_ACCELERATOR"]] * 2
+    assert run_ranks(2, _train_layouts, runs, (checkpoint, resumed)) == [on_tier["POLYTRAIN_ACCELERATOR"]] * 2
     lora_reference = cpu_run(small_corpus, tmp_path / "cpu_lora", LORA)
     for name, (_, lora) in LAYOUTS.items():
         reference = lora_reference if lora else cpu_reference
         assert_same_trajectory(reference, train_rows(tmp_path / name), RTOL, f"{name} on 2 ranks")
     assert_same_trajectory(rows_after(tmp_path / "zero3_offload", STEPS // 2), train_rows(tmp_path / "resumed"),
                            RTOL, "tp 2 resumed from a ZeRO-3 checkpoint")
+
+
+def test_grids_of_four_ranks_train_with_the_cpus_losses(on_tier, cpu_reference, small_corpus, tmp_path):
+    """tp 2 x pp 2, and tp 4 as a 2D (2 x 2) grid: one 4-rank launch."""
+    grids = {"tp_pp": ["--parallel.tp", "2", "--parallel.pp", "2"],
+             "tp_2d": ["--parallel.tp", "4", "--parallel.tp_mode", "2d"]}
+    runs = [tiny_overrides(small_corpus, tmp_path / name, run__steps=STEPS) + extra for name, extra in grids.items()]
+    assert run_ranks(4, _train_layouts, runs) == [on_tier["POLYTRAIN_ACCELERATOR"]] * 4
+    for name in grids:
+        assert_same_trajectory(cpu_reference, train_rows(tmp_path / name), RTOL, f"{name} on 4 ranks")
