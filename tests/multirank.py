@@ -1,4 +1,6 @@
-"""The shared multi-rank test helper: run a function on N gloo ranks in fresh processes.
+"""The shared multi-rank test helper: run a function on N ranks in fresh processes, each bound to
+its device and joined with the collective library of the accelerator polytrain's backend layer
+picks (gloo on the CPU; POLYTRAIN_ACCELERATOR=<name> selects another, tests/device).
 
     def _body(rank, world_size, arg): ...          # module level, so it can be pickled
     results = run_ranks(4, _body, arg)             # one result per rank, rank order
@@ -36,7 +38,11 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
         install()
     torch.set_num_threads(1)  # N ranks share this machine's cores
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        from polytrain.backend import get_accelerator
+
+        acc = get_accelerator()
+        acc.set_device(rank)  # as polytrain's init_world binds a launched rank
+        dist.init_process_group(acc.dist_backend, rank=rank, world_size=world_size)
         queue.put((rank, True, fn(rank, world_size, *args)))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))

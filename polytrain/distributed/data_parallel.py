@@ -193,6 +193,8 @@ class FSDP2DataParallel:
         local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                  for p in self.model.parameters() if p.grad is not None]
         if local:
+            if isinstance(factor, torch.Tensor):  # offloaded gradients are on the host, the norm
+                factor = factor.to(local[0].device)  # (and so the factor) on the compute device
             torch._foreach_mul_(local, factor)
 
     def clip_grad_norm_(self, max_norm: float) -> float:

@@ -195,7 +195,9 @@ def init_local_shard(init: Callable[[torch.Tensor], None], param: DTensor,
     local = param.to_local()
     if local.numel() == 0:
         return
-    indices = local_indices(param)
+    # The row window builds its blocks on the host, so their indices go there too (the layout
+    # leaves them on the mesh's device): one copy per parameter, at model build.
+    indices = [index.cpu() for index in local_indices(param)]
     rows = indices[0]
     start, stop = int(rows[0]), int(rows[-1]) + 1
     if stop - start != rows.numel():
