@@ -295,6 +295,9 @@ def _validate_rlhf(r: RLHFConfig) -> None:
     for key in ("max_prompt_len", "max_new_tokens", "task_pairs", "task_demos", "eval_rows"):
         if getattr(r, key) <= 0:
             raise ConfigError(f"rlhf.{key} = {getattr(r, key)} must be positive")
+    for key in ("ppo_epochs", "ppo_mini_batches"):
+        if getattr(r, key) < 1:
+            raise ConfigError(f"rlhf.{key} = {getattr(r, key)} must be at least 1 (1 = DeepSpeed-Chat's default)")
     for key in ("kl_coef", "reward_clip", "policy_clip", "value_clip", "grpo_kl_coef", "ptx_coef", "temperature"):
         if getattr(r, key) < 0:
             raise ConfigError(f"rlhf.{key} = {getattr(r, key)} must be >= 0")

@@ -332,7 +332,8 @@ class RLHFConfig:
     value_clip: float = 0.2
     """PPO: the critic's values move at most value_clip from the rollout's in the clipped loss."""
     temperature: float = 1.0
-    """Step 3: sampling temperature of the rollout."""
+    """Step 3: sampling temperature of the rollout; the actor's and the reference's log-probabilities are scored
+    at it too, from logits / temperature (0 = greedy sampling, scored at 1)."""
     top_k: int = 0
     """Step 3: sample among the top_k tokens (0 = all)."""
     top_p: float = 1.0
@@ -366,7 +367,13 @@ class RLHFConfig:
     reward_steps: int = 0
     """Step 2: optimizer steps (0 = run.steps)."""
     ppo_steps: int = 0
-    """Step 3: rollouts, each followed by one actor (and critic) step (0 = run.steps)."""
+    """Step 3: rollouts, each followed by ppo_epochs x ppo_mini_batches actor (and critic) steps (0 = run.steps)."""
+    ppo_epochs: int = 1
+    """Step 3: passes over each rollout's experience (DeepSpeed-Chat's ppo_epochs); from the second update on
+    the policy ratio departs from 1 and the clips engage."""
+    ppo_mini_batches: int = 1
+    """Step 3: mini-batches each rollout's global batch is cut into, in order, one actor (and critic) step each;
+    train.global_batch_size / ppo_mini_batches must split over each trained model's data-parallel ranks."""
     sft_lr: float = 0.0
     """Step 1: peak learning rate (0 = train.lr)."""
     reward_lr: float = 0.0

@@ -33,7 +33,7 @@ class Experience:
 
     rollout: Rollout
     old_logprobs: torch.Tensor
-    """The actor's log-probabilities of the sampled tokens before this step's update."""
+    """The actor's log-probabilities of the sampled tokens before this step's updates, at the sampling temperature."""
     ref_logprobs: torch.Tensor
     scores: torch.Tensor
     """(B,) the reward model's score of each sequence, clipped to +-reward_clip."""
@@ -100,6 +100,6 @@ def sequence_kl(exp: Experience) -> torch.Tensor:
 
 
 def sampled_entropy(exp: Experience) -> torch.Tensor:
-    """The sampled tokens' mean -log pi: an unbiased estimate of the policy's per-token entropy at
-    temperature 1 (no vocabulary-wide pass, so the same under tensor parallelism)."""
+    """The sampled tokens' mean -log pi: an unbiased estimate of the per-token entropy of the policy the
+    rollout sampled from, at rlhf.temperature (no vocabulary-wide pass, so the same under tensor parallelism)."""
     return -losses.masked_mean(exp.old_logprobs, exp.mask)

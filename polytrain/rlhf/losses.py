@@ -13,6 +13,8 @@ lambda 0.95, policy and value clip 0.2, no advantage whitening).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -37,6 +39,17 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log p(tokens[b, t] | logits[b, t]): logits (B, T, V), tokens (B, T) -> (B, T), in fp32."""
     logp = F.log_softmax(_wide(logits), dim=-1)  # (B, T, V)
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def tempered_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                      logprobs_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_logprobs) -> torch.Tensor:
+    """log p(tokens) under softmax(logits / temperature), the distribution a rollout sampled from at
+    `temperature`: logits (B, T, V, or this rank's V / tp for a vocabulary-parallel `logprobs_of`),
+    tokens (B, T) -> (B, T), fp32. Temperature 0 (greedy sampling) and 1 score the logits as they are.
+    """
+    if temperature not in (0, 1):
+        logits = _wide(logits) / temperature  # widened first: a bf16 division would round every logit
+    return logprobs_of(logits, tokens)
 
 
 def last_position(mask: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@
 The actor and the frozen reference start from step 1's actor, the critic (PPO) and the
 frozen reward model from step 2's; each is built with its own layout (roles.py). A step
 samples rlhf.group_size responses (GRPO; 1 for PPO) to global_batch_size / group_size of
-step 3's prompts and trains on them once (ppo_engine.py). Per logged step metrics.jsonl
+step 3's prompts and trains on them for rlhf.ppo_epochs passes of rlhf.ppo_mini_batches
+mini-batches (ppo_engine.py). Per logged step metrics.jsonl
 holds `reward` (the reward model's clipped score), `kl` (log pi - log pi_ref summed over a
 response), `policy_loss`, `value_loss` (PPO), `clip_frac`, `entropy`, `response_len` and
 `task_score`, the true metric of the built-in task (null for a user's data) that shows
@@ -190,10 +191,10 @@ def run_ppo(run: RLHFRun) -> dict[str, Any]:
     sampler = GlobalBatchSampler(len(prompts), G // group, cfg.run.seed)
 
     ptx, ptx_sampler = None, None
-    if r.ptx_coef > 0:  # a language-model step on step 1's data after each actor step
+    if r.ptx_coef > 0:  # a language-model step on a mini-batch of step 1's data after each actor step
         sft = run.phase("sft")
         examples = [run.encoder.sft(sft[i]) for i in range(len(sft))]
-        ptx_sampler = GlobalBatchSampler(len(examples), G, cfg.run.seed)
+        ptx_sampler = GlobalBatchSampler(len(examples), G // r.ppo_mini_batches, cfg.run.seed)
 
         def ptx(_step: int) -> float:
             batch = [examples[i] for i in ptx_sampler.next_batch()]

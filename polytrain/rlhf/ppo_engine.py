@@ -1,13 +1,18 @@
-"""One step of step 3 on one world: a rollout, one no-grad pass of the four models, an actor and a critic step.
+"""One step of step 3 on one world: a rollout, one no-grad pass of the four models, PPO's updates on it.
 
     engine = PPOEngine(actor, reference, reward, critic, cfg.rlhf, generation, pad_id)
     stats, exp = engine.step(prompts, sample_ids, step)     # the global batch's prompts, every rank
     stats["time_generate"], stats["gen_tokens_per_s"]       # and time_experience, time_train, peak_gb_*
 
-DeepSpeed-Chat's order, strictly on-policy (generation batch = training batch, one PPO
-epoch): generate -> the actor's and the reference's log-probabilities, the reward model's
-end scores and the critic's values, without gradients -> one actor step (plus the
-pre-training-mix step when rlhf.ptx_coef > 0) -> one critic step -> the EMA actor.
+DeepSpeed-Chat's order: generate (at rlhf.temperature) -> the actor's and the reference's
+log-probabilities (scored at the same temperature), the reward model's end scores and the
+critic's values, without gradients: the experience, computed once -> rlhf.ppo_epochs passes
+over its rlhf.ppo_mini_batches mini-batches, in order, each mini-batch one actor step (plus
+the pre-training-mix step when rlhf.ptx_coef > 0, then the EMA actor) and one critic step.
+With the defaults (1 epoch, 1 mini-batch) the policy ratio is exactly 1; from the second
+update on the actor has moved away from the experience's log-probabilities and the policy
+and value clips engage. The learning-rate schedule counts rollouts: every update of one
+rollout runs at that step's rate.
 
 Every model works on its own data-parallel slice of the global batch (`exchange`), and
 every rank ends up with the whole batch's experience, so the models may have different
@@ -20,6 +25,7 @@ peak memory, for ppo/metrics.jsonl.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -29,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from polytrain.config import RLHFConfig
 from polytrain.distributed.world import max_over_world, mean_over_world
+from polytrain.errors import ConfigError
 from polytrain.rlhf import losses
 from polytrain.rlhf.exchange import gather_objects, gather_rows, row_range
 from polytrain.rlhf.experience import (
@@ -61,6 +68,19 @@ class EMA:
             self._local(self.shadow[name]).lerp_(self._local(p.detach()), 1 - self.beta)
 
 
+def check_mini_batches(mini_batches: int, global_batch: int, trained_dp: dict[str, int]) -> None:
+    """ConfigError unless rlhf.ppo_mini_batches cuts the global batch into equal mini-batches that split over
+    the data-parallel ranks of every trained model (trained_dp: role name -> its dp degree)."""
+    dp = math.lcm(*trained_dp.values())
+    fits = [m for m in range(1, global_batch + 1) if global_batch % m == 0 and global_batch // m % dp == 0]
+    if mini_batches in fits:
+        return
+    ranks = ", ".join(f"the {name}'s {d}" for name, d in trained_dp.items())
+    raise ConfigError(f"rlhf.ppo_mini_batches = {mini_batches} must cut train.global_batch_size = {global_batch} "
+                      f"into equal mini-batches that split over the data-parallel ranks ({ranks}); values that "
+                      f"fit: {', '.join(map(str, fits))}")
+
+
 class PPOEngine:
     """Step 3's models and one training step over them (module docstring)."""
 
@@ -72,8 +92,11 @@ class PPOEngine:
         self.actor, self.reference, self.reward, self.critic = actor, reference, reward, critic
         self.settings, self.generation, self.pad_id = settings, generation, pad_id
         self.ptx = ptx
-        """ptx(step) -> the pre-training-mix loss: backward through the actor (scaled by ptx_coef), not stepped."""
+        """ptx(step) -> the pre-training-mix loss of its next mini-batch: backward through the actor (scaled by
+        ptx_coef), not stepped."""
         self.ema = EMA(actor.model, settings.ema_beta) if settings.ema else None
+        check_mini_batches(settings.ppo_mini_batches, actor.batch.global_batch_size,
+                           {role.name: role.batch.dp for role in (actor, critic) if role is not None})
 
     # ----- the rollout and the no-grad pass ------------------------------------------
 
@@ -101,19 +124,20 @@ class PPOEngine:
     def experience(self, rollout: Rollout) -> Experience:
         """Log-probabilities, scores, values and advantages of a rollout."""
         ids = rollout.ids
-        old = self._whole_batch(self.actor, ids, self.actor.logprobs)
-        ref = self._whole_batch(self.reference, ids, self.reference.logprobs)
+        # Both at the sampling temperature, as the actor's new log-probabilities in update_actor.
+        old = self._whole_batch(self.actor, ids, lambda x: self.actor.logprobs(x, self.settings.temperature))
+        ref = self._whole_batch(self.reference, ids, lambda x: self.reference.logprobs(x, self.settings.temperature))
         scores = self.scores(rollout)
         values = self._whole_batch(self.critic, ids, self.critic.values)[:, :-1] if self.critic else None
         return make_experience(rollout, old, ref, scores, values, self.settings)
 
     # ----- the updates ---------------------------------------------------------------
 
-    def _train(self, role: RoleModel, exp: Experience, loss_of: Callable[[Experience, float], tuple[torch.Tensor, dict]],
-               ) -> dict[str, float]:
-        """Backward `loss_of(micro-batch experience, count)` over this rank's rows; the batch's stats (every rank)."""
+    def _backward(self, role: RoleModel, exp: Experience, count: torch.Tensor,
+                  loss_of: Callable[[Experience, torch.Tensor], tuple[torch.Tensor, dict]]) -> dict[str, torch.Tensor]:
+        """Backward `loss_of(micro-batch experience, count)` over this rank's rows of `exp` (one mini-batch);
+        this rank's share of each stat, on the device. count: the mini-batch's response tokens / dp (0-dim)."""
         role.model.train()
-        count = exp.mask.sum().item() / role.runtime.dp_size  # the ranks' shares add up to the global mean
         mine = row_range(exp.mask.shape[0], role.runtime)
         mbs = role.batch.micro_batch_size
         starts = range(mine.start, mine.stop, mbs)
@@ -124,30 +148,62 @@ class PPOEngine:
             role.backward(loss)
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0) + value.detach()
-        return {key: mean_over_world(value).item() for key, value in sums.items()}
+        return sums
 
-    def train_actor(self, exp: Experience, step: int) -> dict[str, float]:
-        """One actor step on the experience (and the ptx step); its losses, clip fraction, grad norm."""
-        def loss_of(part: Experience, count: float):
-            return actor_loss(self.actor.logprobs(part.rollout.ids), part, self.settings, count)
+    def update_actor(self, exp: Experience, count: torch.Tensor, step: int) -> tuple[dict[str, torch.Tensor], dict]:
+        """One actor step on a mini-batch's experience (then the ptx step and the EMA): (this rank's shares of
+        policy_loss, clip_frac (, kl_loss); grad_norm, lr (, ptx_loss))."""
+        temperature = self.settings.temperature
 
-        stats = self._train(self.actor, exp, loss_of)
-        stats.update(self.actor.step(step))
+        def loss_of(part: Experience, count: torch.Tensor):
+            new_logprobs = self.actor.logprobs(part.rollout.ids, temperature)
+            return actor_loss(new_logprobs, part, self.settings, count)
+
+        shares = self._backward(self.actor, exp, count / self.actor.runtime.dp_size, loss_of)
+        after = self.actor.step(step)
         if self.ptx is not None:
-            stats["ptx_loss"] = self.ptx(step)
+            after["ptx_loss"] = self.ptx(step)
             self.actor.step(step)
         if self.ema is not None:
             self.ema.update(self.actor.model)
-        return stats
+        return shares, after
 
-    def train_critic(self, exp: Experience, step: int) -> dict[str, float]:
-        """One critic step (PPO): the clipped value loss and the critic's grad norm."""
-        def loss_of(part: Experience, count: float):
+    def update_critic(self, exp: Experience, count: torch.Tensor, step: int) -> tuple[dict[str, torch.Tensor], dict]:
+        """One critic step (PPO) on a mini-batch's experience: (this rank's share of value_loss; critic_grad_norm)."""
+        def loss_of(part: Experience, count: torch.Tensor):
             loss = critic_loss(self.critic.values(part.rollout.ids)[:, :-1], part, self.settings, count)
             return loss, {"value_loss": loss}
 
-        stats = self._train(self.critic, exp, loss_of)
-        return {"value_loss": stats["value_loss"], "critic_grad_norm": self.critic.step(step)["grad_norm"]}
+        shares = self._backward(self.critic, exp, count / self.critic.runtime.dp_size, loss_of)
+        return shares, {"critic_grad_norm": self.critic.step(step)["grad_norm"]}
+
+    def train(self, exp: Experience, step: int) -> dict[str, float]:
+        """rlhf.ppo_epochs passes over the experience's rlhf.ppo_mini_batches mini-batches, in order (as
+        DeepSpeed-Chat: no shuffle, so every rank agrees with no seed); each mini-batch one actor step and one
+        critic step. The experience is fixed, so from the second update on the ratio departs from 1. Returns
+        the updates' mean losses, clip fraction and grad norms (the same on every rank), and the rate."""
+        s = self.settings
+        B = exp.mask.shape[0]
+        size = B // s.ppo_mini_batches
+        minis = [slice(i, i + size) for i in range(0, B, size)]
+        # (M,) response tokens per mini-batch, kept on the device: each loss divides by its own, no host sync.
+        counts = exp.mask.reshape(len(minis), size, -1).sum((1, 2)).float()
+        shares: dict[str, torch.Tensor] = {}
+        after: dict[str, list] = {}
+        updates = [self.update_actor] + ([self.update_critic] if self.critic is not None else [])
+        for _ in range(s.ppo_epochs):
+            for rows, count in zip(minis, counts):
+                for update in updates:
+                    part_shares, part_after = update(exp.rows(rows), count, step)
+                    for key, value in part_shares.items():
+                        shares[key] = shares.get(key, 0) + value
+                    for key, value in part_after.items():
+                        after.setdefault(key, []).append(value)
+        n = s.ppo_epochs * len(minis)
+        stats = {key: mean_over_world(value / n).item() for key, value in shares.items()}
+        stats.update({key: _mean(values) for key, values in after.items() if key != "lr"})
+        stats["lr"] = after["lr"][-1]  # one rate per rollout: the schedule counts rollouts
+        return stats
 
     @contextlib.contextmanager
     def _phase(self, name: str, stats: dict[str, Any]) -> Iterator[None]:
@@ -178,8 +234,12 @@ class PPOEngine:
                  "entropy": sampled_entropy(exp).item(),
                  "response_len": rollout.response_lens.float().mean().item()}
         with self._phase("train", timing):
-            stats.update(self.train_actor(exp, step))
-            if self.critic is not None:
-                stats.update(self.train_critic(exp, step))
+            stats.update(self.train(exp, step))
         timing["gen_tokens_per_s"] = rollout.response_lens.sum().item() / max(timing["time_generate"], 1e-9)
         return {**stats, **timing}, exp
+
+
+def _mean(values: list) -> float | None:
+    """The mean of the updates' values; a grad norm is None for an fp16 step skipped on overflow (None if all were)."""
+    kept = [v for v in values if v is not None]
+    return sum(kept) / len(kept) if kept else None

@@ -161,9 +161,11 @@ class RoleModel:
         with self.autocast():
             return self.model(ids)[:, :T]
 
-    def logprobs(self, ids: torch.Tensor) -> torch.Tensor:
-        """log p(ids[:, t + 1] | ids[:, :t + 1]) (B, T - 1), fp32, vocabulary-parallel under tp."""
-        return self._logprobs(self.forward(ids[:, :-1]), ids[:, 1:].to(self.runtime.device))
+    def logprobs(self, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """log p(ids[:, t + 1] | ids[:, :t + 1]) (B, T - 1) under softmax(logits / temperature) (step 3 scores at
+        the sampling temperature), fp32, vocabulary-parallel under tp."""
+        targets = ids[:, 1:].to(self.runtime.device)
+        return losses.tempered_logprobs(self.forward(ids[:, :-1]), targets, temperature, self._logprobs)
 
     def values(self, ids: torch.Tensor) -> torch.Tensor:
         """A value model's (B, T) values, fp32."""

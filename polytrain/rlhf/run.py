@@ -25,6 +25,7 @@ from polytrain.distributed.world import init_world
 from polytrain.rlhf.context import RLHFRun
 from polytrain.rlhf.plan import COMPLETE, STEPS, check_inputs, is_complete, parse_steps, step_dir
 from polytrain.rlhf.ppo import check_hybrid_engine, run_ppo, step3_configs
+from polytrain.rlhf.ppo_engine import check_mini_batches
 from polytrain.rlhf.reward import run_reward
 from polytrain.rlhf.roles import role_config
 from polytrain.rlhf.sft import run_sft
@@ -45,11 +46,17 @@ def check_rlhf(cfg: Config, world_size: int) -> tuple[str, ...]:
     actor, reward = planned_models(cfg)
     lr, n = cfg.train.lr, cfg.run.steps
     configs = [role_config(cfg, "actor", actor, lr=lr, steps=n), role_config(cfg, "reward", reward, lr=lr, steps=n)]
+    trained_in_step3 = {}
     if "ppo" in steps:
-        configs += step3_configs(cfg, cfg.run_dir, actor, reward).values()
+        step3 = step3_configs(cfg, cfg.run_dir, actor, reward)
+        configs += step3.values()
         check_hybrid_engine(cfg, actor, world_size)
+        trained_in_step3 = {name: step3[name] for name in ("actor", "critic") if name in step3}
     for step_cfg in configs:
         plan_layout(step_cfg, world_size)
+    if trained_in_step3:
+        check_mini_batches(cfg.rlhf.ppo_mini_batches, cfg.train.global_batch_size,
+                           {name: plan_layout(c, world_size).batch.dp for name, c in trained_in_step3.items()})
     return steps
 
 

@@ -1,8 +1,8 @@
 """`polytrain rlhf` end to end on the built-in task, a tiny model, seconds: the three run directories, their
 metrics rows, a resume that reproduces the run exactly, finished steps skipped, step 3 without its inputs
 as one line naming the step to run, step 3 through the training layout (rlhf.hybrid_engine false) with the
-frozen models offloaded giving the engine's numbers, GRPO with the EMA actor and the pre-training mix, and
-`polytrain chat`.
+frozen models offloaded giving the engine's numbers, PPO epochs over mini-batches engaging the clip, GRPO over
+mini-batches with the EMA actor and the pre-training mix, and `polytrain chat`.
 """
 
 from __future__ import annotations
@@ -114,11 +114,26 @@ def test_step_3_without_the_engine_and_with_offloaded_frozen_models_gives_the_sa
                 assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
 
 
-def test_grpo_with_ema_and_ptx_then_chat(run, tmp_path):
+def test_ppo_epochs_over_mini_batches_engage_the_clip(run, tmp_path):
+    """rlhf.ppo_epochs 2 x rlhf.ppo_mini_batches 2: four actor and critic steps per rollout; from the second on
+    the actor has left the rollout's log-probabilities, so ratios leave 1 +- policy_clip and clip_frac > 0
+    (one epoch of one mini-batch logs 0: the fixture's run)."""
+    assert all(r["clip_frac"] == 0 for r in _step_rows(run, "ppo"))
+    epochs = tmp_path / "epochs"
+    shutil.copytree(run, epochs, ignore=shutil.ignore_patterns("ppo"))
+    assert main(_args(epochs, "--rlhf.ppo_steps", "2", "--rlhf.ppo_epochs", "2", "--rlhf.ppo_mini_batches", "2",
+                      "--rlhf.actor_lr", "1e-2", "--rlhf.temperature", "0.8")) == 0
+    rows = _step_rows(epochs, "ppo")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["clip_frac"] > 0 and r["grad_norm"] > 0 and r["critic_grad_norm"] > 0 for r in rows)
+    assert rows[1]["kl"] != 0  # the second rollout is scored by an actor that has left the reference
+
+
+def test_grpo_over_mini_batches_with_ema_and_ptx_then_chat(run, tmp_path):
     grpo = tmp_path / "grpo"
     shutil.copytree(run, grpo, ignore=shutil.ignore_patterns("ppo"))
     assert main(_args(grpo, "--rlhf.algorithm", "grpo", "--rlhf.group_size", "4", "--rlhf.ema", "true",
-                      "--rlhf.ptx_coef", "0.5")) == 0
+                      "--rlhf.ptx_coef", "0.5", "--rlhf.ppo_mini_batches", "2")) == 0
     rows = _step_rows(grpo, "ppo")
     assert len(rows) == 4 and not any("value_loss" in r for r in rows)  # no critic
     assert all("kl_loss" in r and "ptx_loss" in r for r in rows)

@@ -39,6 +39,24 @@ def test_logprobs_and_masked_mean():
     assert losses.masked_mean(x, torch.zeros_like(mask)).item() == 0.0
 
 
+def test_scored_logprobs_follow_the_sampling_temperature():
+    logits = torch.randn(2, 3, 7, dtype=torch.float64)
+    tokens = torch.randint(0, 7, (2, 3))
+    got = losses.tempered_logprobs(logits, tokens, 0.5)
+    for b in range(2):
+        for t in range(3):
+            row = [v / 0.5 for v in logits[b, t].tolist()]  # the distribution sampled at temperature 0.5
+            want = row[tokens[b, t]] - math.log(sum(math.exp(v) for v in row))
+            assert got[b, t].item() == pytest.approx(want, abs=1e-6)
+    plain = losses.token_logprobs(logits, tokens)
+    assert not torch.allclose(got, plain)
+    for temperature in (1, 0):  # 0 samples greedily: scored as the plain logits
+        assert torch.equal(losses.tempered_logprobs(logits, tokens, temperature), plain)
+    half = logits.to(torch.bfloat16)  # widened before the division, as the fp32 scoring of any precision
+    torch.testing.assert_close(losses.tempered_logprobs(half, tokens, 0.5),
+                               torch.log_softmax(half.float() / 0.5, -1).gather(-1, tokens[..., None])[..., 0])
+
+
 def test_a_shared_count_makes_the_parts_add_up_to_the_whole():
     mask, rand, _ = _batch()
     logp, old, adv, values, returns = rand(), rand(), rand(), rand(), rand()

@@ -58,12 +58,14 @@ def test_rlhf_keys_load_from_the_command_line_and_fail_one_line_each():
     for args, message in ((["--rlhf.group_size", "1"], "rlhf.group_size = 1 must be at least 2"),
                           (["--rlhf.lam", "1.5"], r"rlhf.lam = 1.5 must be in \[0, 1\]"),
                           (["--rlhf.algorithm", "dpo"], "rlhf.algorithm = 'dpo' is not one of"),
-                          (["--rlhf.max_new_tokens", "0"], "rlhf.max_new_tokens = 0 must be positive")):
+                          (["--rlhf.max_new_tokens", "0"], "rlhf.max_new_tokens = 0 must be positive"),
+                          (["--rlhf.ppo_epochs", "0"], "rlhf.ppo_epochs = 0 must be at least 1"),
+                          (["--rlhf.ppo_mini_batches", "0"], "rlhf.ppo_mini_batches = 0 must be at least 1")):
         with pytest.raises(ConfigError, match=message):
             load_config(None, args)
 
 
-def test_hybrid_engine_keys_are_checked_at_start_up_one_line_each(tmp_path):
+def test_step_3_keys_are_checked_at_start_up_one_line_each(tmp_path):
     from polytrain.config import load_config
     from polytrain.rlhf.run import check_rlhf
 
@@ -74,6 +76,7 @@ def test_hybrid_engine_keys_are_checked_at_start_up_one_line_each(tmp_path):
     assert defaults.hybrid_engine and defaults.inference_tp == 1 and defaults.gather_blocks == 0
     assert not defaults.offload_reference and not defaults.offload_reward
     check_rlhf(load_config(None, base + ["--rlhf.inference_tp", "2", "--rlhf.gather_blocks", "1"]), 2)
+    check_rlhf(load_config(None, base + ["--rlhf.ppo_mini_batches", "2", "--rlhf.ppo_epochs", "3"]), 2)
     for args, world, message in (
             (["--rlhf.inference_tp", "0"], 1, r"rlhf.inference_tp = 0 must be >= 1"),
             (["--rlhf.gather_blocks", "-1"], 1, r"rlhf.gather_blocks = -1 must be >= 0"),
@@ -82,7 +85,11 @@ def test_hybrid_engine_keys_are_checked_at_start_up_one_line_each(tmp_path):
             (["--rlhf.inference_tp", "2", "--rlhf.actor_tp", "2"], 2, r"trains at tp 2 .* set inference_tp to 1$"),
             (["--rlhf.inference_tp", "4"], 2, r"rlhf.inference_tp = 4 must divide the 2 rank\(s\).*fit: 1, 2$"),
             (["--rlhf.inference_tp", "3"], 3, r"rlhf.inference_tp = 3 must divide the 3 rank\(s\) and split "
-                                              r"the actor's heads and FFN; values that fit: 1$")):
+                                              r"the actor's heads and FFN; values that fit: 1$"),
+            (["--rlhf.ppo_mini_batches", "3"], 1, r"rlhf.ppo_mini_batches = 3 must cut train.global_batch_size = 4 "
+                                                  r"into equal mini-batches .*values that fit: 1, 2, 4$"),
+            (["--rlhf.ppo_mini_batches", "4"], 2, r"rlhf.ppo_mini_batches = 4 .*\(the actor's 2, the critic's 2\); "
+                                                  r"values that fit: 1, 2$")):
         with pytest.raises(ConfigError, match=message) as err:
             check_rlhf(load_config(None, base + args), world)
         assert "\n" not in str(err.value)
