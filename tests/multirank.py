@@ -35,6 +35,9 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
 
         install()
     torch.set_num_threads(1)  # N ranks share this machine's cores
+    from polytrain.distributed import strict_collectives
+
+    strict_collectives.install_if_enabled()  # tests/conftest.py turns it on for every test
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         queue.put((rank, True, fn(rank, world_size, *args)))
