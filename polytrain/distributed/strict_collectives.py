@@ -42,6 +42,7 @@ from __future__ import annotations
 import inspect
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,9 @@ from polytrain.backend import host_collectives
 from polytrain.errors import PolytrainError
 
 ENV = "POLYTRAIN_STRICT_COLLECTIVES"
+PATIENCE_S = 1.0
+"""How long a rank waits for the next rank's post before a blocking collective; then it enters
+the call and compares after (so a rank that hangs elsewhere is seen as the one not entering)."""
 
 # Which arguments of each collective must agree across the group's ranks (the fingerprint).
 # Lists that only the root passes (gather_list, scatter_list) and per-rank objects are left out.
@@ -154,17 +158,38 @@ class _Checker:
             self.store().queue_push(queue, f"{number}|{value}")
         return number
 
-    def compare(self, channel: str, queue: str, number: int) -> tuple[str, str] | None:
+    def compare(self, channel: str, queue: str, number: int,
+                patience: float | None = None) -> tuple[str, str] | None:
         """(this rank's post `number`, the other side's) from `queue`, waiting for it to be
-        pushed; None where it was compared already."""
+        pushed (at most `patience` seconds, if given: then None); None where it was compared already."""
         with self.lock:
             posts = self.channels[channel]
             if number not in posts.mine:
                 return None
             while number not in posts.theirs:
-                theirs, value = self.store().queue_pop(queue).decode().split("|", 1)
+                value = self._pop(queue, patience)
+                if value is None:
+                    return None
+                theirs, value = value.split("|", 1)
                 posts.theirs[int(theirs)] = value
             return posts.mine.pop(number), posts.theirs.pop(number)
+
+    def _pop(self, queue: str, patience: float | None) -> str | None:
+        """The oldest post of `queue`, polling while it is empty (the store's blocking pop returns
+        at once on a queue that existed before); None after `patience` seconds."""
+        store, nap = self.store(), 0.0002
+        deadline = time.monotonic() + (patience if patience is not None else store.timeout.total_seconds())
+        while True:
+            try:
+                return store.queue_pop(queue, block=False).decode()
+            except dist.QueueEmptyError:
+                if time.monotonic() > deadline:
+                    if patience is not None:
+                        return None
+                    raise StrictCollectiveError(f"strict collectives: rank {dist.get_rank()} waited "
+                                                f"{store.timeout} for a peer's post to {queue}") from None
+                time.sleep(nap)
+                nap = min(2 * nap, 0.02)
 
     # ----- collectives: each rank compares with the next rank of the group ----------------------
 
@@ -172,20 +197,27 @@ class _Checker:
         name, me = group.group_name, dist.get_rank(group)
         return self.post(f"c/{name}", f"c/{name}/{me}", fingerprint)
 
-    def verify_collectives(self, group, upto: int) -> None:
-        """Compare this rank's collectives on `group` numbered <= upto with the next rank's."""
+    def verify_collectives(self, group, upto: int, patience: float | None = None) -> bool:
+        """Compare this rank's collectives on `group` numbered <= upto with the next rank's; False
+        where the next rank has not posted them within `patience` seconds (compared later)."""
         name, size = group.group_name, dist.get_world_size(group)
         nxt = (dist.get_rank(group) + 1) % size
         with self.lock:
             numbers = sorted(n for n in self.channels[f"c/{name}"].mine if n <= upto)
         for number in numbers:
-            pair = self.compare(f"c/{name}", f"c/{name}/{nxt}", number)
-            if pair is not None and pair[0] != pair[1]:
+            with self.lock:
+                if self.channels[f"c/{name}"].mine.get(number) is None:
+                    continue
+                pair = self.compare(f"c/{name}", f"c/{name}/{nxt}", number, patience)
+                if pair is None:
+                    return False
+            if pair[0] != pair[1]:
                 ranks = dist.get_process_group_ranks(group)
                 raise StrictCollectiveError(
                     f"strict collectives: rank {dist.get_rank()}'s collective #{number} on group {name} "
                     f"(global ranks {ranks}) is {pair[0]}, but global rank {ranks[nxt]}'s is {pair[1]}: "
                     f"{RULE_ORDER} ({ENV}=1)")
+        return True
 
     # ----- transfers: each rank compares its k-th with a peer with the peer's k-th with it -------
 
@@ -230,9 +262,12 @@ class _Checker:
             return fn(*bound.args, **bound.kwargs)
         number = self.post_collective(group, _fingerprint(name, bound.arguments))
         asynchronous = bool(bound.arguments.get("async_op"))
-        if not asynchronous:
-            self.verify_collectives(group, number)
+        # Before a blocking call, so a mismatch is named rather than hung on; a rank whose next
+        # peer is late (a hang, a slow rank) enters the call anyway and compares after it.
+        compared = asynchronous or self.verify_collectives(group, number, patience=PATIENCE_S)
         result = fn(*bound.args, **bound.kwargs)
+        if not compared:
+            self.verify_collectives(group, number)
         if asynchronous and result is not None:
             self.track(result, _Issued(f"{name} #{number} on group {group.group_name}", _tensors(bound.arguments),
                                        lambda: self.verify_collectives(group, number)))
@@ -294,12 +329,16 @@ class _Checker:
                     or not host_collectives.may_share(out):  # the process group's call follows, checked
                 return fn(out, *rest)
             tensors = {"out": out, "x": rest[0]} if len(rest) == 2 else {"x": out}
-            self.verify_collectives(group, self.post_collective(group, _fingerprint(f"host_{name}", tensors, list(tensors))))
+            number = self.post_collective(group, _fingerprint(f"host_{name}", tensors, list(tensors)))
+            compared = self.verify_collectives(group, number, patience=PATIENCE_S)
             self.inside.depth = 1
             try:
-                return fn(out, *rest)
+                result = fn(out, *rest)
             finally:
                 self.inside.depth = 0
+            if not compared:
+                self.verify_collectives(group, number)
+            return result
 
         strict.__wrapped__ = fn
         strict.__name__ = strict.__qualname__ = name
