@@ -23,6 +23,9 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    # NCCL's rules checked on gloo in every rank the tests start (tests/multirank.py, and the
+    # `polytrain train` workers through init_world): docs/ARCHITECTURE.md, "Strict collectives"
+    os.environ.setdefault("POLYTRAIN_STRICT_COLLECTIVES", "1")
     if config.getoption("--compat-shim") or os.environ.get(SHIM_ENV) == "1":
         os.environ[SHIM_ENV] = "1"  # spawned ranks install it too
         os.environ.setdefault("POLYTRAIN_ACCELERATOR", "cpu")

@@ -37,6 +37,9 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
 
         install()
     torch.set_num_threads(1)  # N ranks share this machine's cores
+    from polytrain.distributed import strict_collectives
+
+    strict_collectives.install_if_enabled()  # tests/conftest.py turns it on for every test
     try:
         from polytrain.backend import get_accelerator
 

@@ -2,7 +2,7 @@
 
 Two layers:
 
-- Plain collectives (`all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`, `send`, ...):
+- Plain collectives (`all_reduce`, `all_gather`, `reduce_scatter`, `all_to_all`, `exchange`, ...):
   out-of-place wrappers over torch.distributed on any process group. Each one records
   what it cost in every active `comm_stats()` counter: the call, the bytes this rank
   sends under the ring algorithm, and the global ranks it talks to.
@@ -29,14 +29,14 @@ Counting (process-local, nestable, off unless a counter is active):
 
 Bytes sent per rank, for a group of n ranks and a tensor of b bytes (ring algorithms):
 all-reduce 2(n-1)/n * b, all-gather (n-1)/n * output bytes, reduce-scatter (n-1)/n *
-input bytes, all-to-all (n-1)/n * b, broadcast b from the source, send b. A group of one
+input bytes, all-to-all (n-1)/n * b, broadcast b from the source, an exchange's send b. A group of one
 rank sends nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -263,29 +263,41 @@ def all_to_all(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return out
 
 
-def send(x: torch.Tensor, dst: int, group: ProcessGroup | None = None) -> None:
-    """Blocking point-to-point send to global rank `dst`."""
-    record("send", _nbytes(x), (dst,))
-    dist.send(x.contiguous(), dst, group=group)
+class Exchange:
+    """The works of one posted batch of point-to-point operations; `wait()` finishes them all."""
+
+    def __init__(self, works: list[dist.Work], tensors: list[torch.Tensor]):
+        self._works, self._tensors = works, tensors  # the tensors live until the transfer is done
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works, self._tensors = [], []
 
 
-def recv(x: torch.Tensor, src: int, group: ProcessGroup | None = None) -> torch.Tensor:
-    """Blocking receive from global rank `src` into `x` (returned)."""
-    record("recv", 0, (src,))
-    dist.recv(x, src, group=group)
-    return x
+def exchange(sends: Sequence[tuple[torch.Tensor, int]] = (), recvs: Sequence[tuple[torch.Tensor, int]] = (),
+             group: ProcessGroup | None = None) -> Exchange:
+    """Post point-to-point sends (tensor, global dst) and receives (buffer, global src) as ONE batch.
 
-
-def isend(x: torch.Tensor, dst: int, group: ProcessGroup | None = None, tag: int = 0) -> dist.Work:
-    """Non-blocking send; keep `x` alive until the returned work is waited on."""
-    record("send", _nbytes(x), (dst,))
-    return dist.isend(x, dst, group=group, tag=tag)
-
-
-def irecv(x: torch.Tensor, src: int, group: ProcessGroup | None = None, tag: int = 0) -> dist.Work:
-    """Non-blocking receive into `x` (from a send with the same tag)."""
-    record("recv", 0, (src,))
-    return dist.irecv(x, src, group=group, tag=tag)
+    Every point-to-point transfer in polytrain goes through here (tests/unit/test_p2p_batched.py
+    keeps it so), because of how the GPU collective library matches them: by posting order per
+    peer, ignoring tags, and an unbatched send to a peer that is also being received from can
+    hang once messages outgrow its buffers. One `batch_isend_irecv` per call lets the library
+    run the batch's sends and receives together; peers must post their batches in the same
+    order, each side listing its operations with a peer in the same order as the peer lists the
+    opposite ones (tag 0 always). Returns at once: keep the tensors alive and unchanged (sends)
+    and unread (receives) until `wait()`, e.g. to overlap the transfer with compute.
+    """
+    ops = []
+    for x, dst in sends:
+        if _counters:
+            record("send", _nbytes(x), (dst,))
+        ops.append(dist.P2POp(dist.isend, x.contiguous(), dst, group))
+    for x, src in recvs:
+        if _counters:
+            record("recv", 0, (src,))
+        ops.append(dist.P2POp(dist.irecv, x, src, group))
+    return Exchange(dist.batch_isend_irecv(ops) if ops else [], [op.tensor for op in ops])
 
 
 # ----- autograd pairs ---------------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from polytrain.backend.base import Accelerator
+from polytrain.distributed import strict_collectives
 from polytrain.distributed.collective_log import enable_collective_log
 from polytrain.errors import PolytrainError
 
@@ -44,6 +45,7 @@ def init_world(acc: Accelerator) -> World:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1:
         enable_collective_log()  # before the groups exist: the hang watchdog reads it
+        strict_collectives.install_if_enabled()  # POLYTRAIN_STRICT_COLLECTIVES: before any P2POp exists
         acc.set_device(local_rank)
         dist.init_process_group(backend=acc.dist_backend, timeout=timedelta(minutes=30))
         atexit.register(_destroy_at_exit)

@@ -25,16 +25,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from polytrain.distributed.collectives import irecv, isend
+from polytrain.distributed.collectives import exchange
 from polytrain.distributed.context_parallel.layout import CPGroups
 from polytrain.models.common.blockwise_attention import (
     Visibility,
     attention_backward,
     attention_forward,
 )
-
-_KV_TAG, _GRAD_TAG = 0, 1
-
 
 @dataclass(frozen=True)
 class RingPlan:
@@ -59,17 +56,24 @@ class RingPlan:
                           None if docs is None else docs[:, mine], None if docs is None else docs[:, theirs])
 
 
-class _Rotation:
-    """Non-blocking pass of one tensor to the next ring rank while receiving the previous one's."""
+class _Step:
+    """One ring step's transfers, posted as one batch: each rotating tensor goes to the next
+    ring rank while the previous ring rank's arrives.
 
-    def __init__(self, x: torch.Tensor, groups: CPGroups, tag: int):
-        self.incoming = torch.empty_like(x)
-        self.work = [isend(x, groups.ring_peer(1), groups.ring, tag),
-                     irecv(self.incoming, groups.ring_peer(-1), groups.ring, tag)]
+    Every rank posts the same rotations in the same order, so each send is matched by the
+    next rank's receive at the same place in its batch (tags play no part). Holding the key/value
+    and the gradient rotation of a backward step in one batch keeps a ring of two ranks, whose
+    next and previous rank are one peer, from posting a send and a receive with it apart.
+    """
 
-    def wait(self) -> torch.Tensor:
-        for w in self.work:
-            w.wait()
+    def __init__(self, rotating: list[torch.Tensor], groups: CPGroups):
+        self.incoming = [torch.empty_like(x) for x in rotating]
+        nxt, prev = groups.ring_peer(1), groups.ring_peer(-1)
+        self.batch = exchange(sends=[(x, nxt) for x in rotating], recvs=[(x, prev) for x in self.incoming],
+                              group=groups.ring)
+
+    def wait(self) -> list[torch.Tensor]:
+        self.batch.wait()
         return self.incoming
 
 
@@ -89,37 +93,49 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kv = torch.stack([k, v])  # (2, B, Hkv, t, D): one message per step
     out, lse = None, None
     for step in range(R):
-        rotation = _Rotation(kv, plan.groups, _KV_TAG) if step < R - 1 else None
+        rotation = _Step([kv], plan.groups) if step < R - 1 else None
         out_s, lse_s = attention_forward(q, kv[0], kv[1], plan.visibility((j - step) % R), plan.scale, plan.block)
         if out is None:
             out, lse = out_s, lse_s
         else:
             _merge(out, lse, out_s, lse_s)
         if rotation is not None:
-            kv = rotation.wait()
+            (kv,) = rotation.wait()
     return out, lse
 
 
 def ring_backward(q, k, v, out, lse, dout, plan: RingPlan):
-    """dq (B, H, t, D), dk and dv (B, Hkv, t, D) of ring_forward, in the compute dtype."""
+    """dq (B, H, t, D), dk and dv (B, Hkv, t, D) of ring_forward, in the compute dtype.
+
+    Step s posts one batch before its compute: the key/value rotation (shard j - s out, j - s - 1
+    in; not at the last step) and, from step 2, the gradient rotation (the running gradient of
+    shard j - s + 1 out, that of shard j - s in from rank j - 1). A last batch after the loop
+    brings this shard's gradient home.
+    """
     R, j = plan.groups.ring_size, plan.groups.ring_rank
-    kv = torch.stack([k, v])
-    rotation = _Rotation(kv, plan.groups, _KV_TAG) if R > 1 else None
-    dq, dk, dv = attention_backward(q, k, v, out, lse, dout, plan.visibility(j), plan.scale, plan.block)
-    own = torch.stack([dk, dv])  # (2, B, Hkv, t, D): this shard's gradient, completed last
-    grad_sent = None
-    for step in range(1, R):
-        kv = rotation.wait()
-        rotation = _Rotation(kv, plan.groups, _KV_TAG) if step < R - 1 else None
+    kv = torch.stack([k, v])  # (2, B, Hkv, t, D)
+    running = None  # (2, B, Hkv, t, D): the gradient of shard j - s + 1 so far, sent on at step s
+    own = None  # (2, B, Hkv, t, D): this shard's gradient, completed last
+    dq = None
+    for step in range(R):
+        rotating = ([kv] if step < R - 1 else []) + ([running] if running is not None else [])
+        batch = _Step(rotating, plan.groups) if rotating else None
         dq_s, dk_s, dv_s = attention_backward(q, kv[0], kv[1], out, lse, dout,
                                               plan.visibility((j - step) % R), plan.scale, plan.block)
-        dq += dq_s
-        running = torch.stack([dk_s, dv_s])
-        if grad_sent is not None:  # the gradient of shard j - step from the ranks before this one
-            running += grad_sent.wait()
-        grad_sent = _Rotation(running, plan.groups, _GRAD_TAG)
-    if grad_sent is not None:
-        own += grad_sent.wait()  # this shard's gradient from every other rank
+        dq = dq_s if dq is None else dq.add_(dq_s)
+        partial = torch.stack([dk_s, dv_s])
+        incoming = batch.wait() if batch is not None else []
+        if step < R - 1:
+            kv = incoming.pop(0)
+        if running is not None:  # the gradient of shard j - step from the ranks before this one
+            partial += incoming.pop(0)
+        if step == 0:
+            own = partial
+        else:
+            running = partial
+    if running is not None:
+        (arrived,) = _Step([running], plan.groups).wait()
+        own += arrived  # this shard's gradient from every other rank
     return dq, own[0], own[1]
 
 

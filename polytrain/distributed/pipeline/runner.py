@@ -24,6 +24,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from polytrain.distributed.collectives import exchange
 from polytrain.distributed.pipeline.plan import PipelinePlan
 from polytrain.distributed.pipeline.stages import pipeline_stages
 
@@ -101,33 +102,35 @@ class PipelineRunner:
         A plain forward pass, stage by stage, rather than the schedule's eval mode:
         torch's zero-bubble runtime cannot run its schedule without a backward, and
         this needs no switching of the stages between training and evaluation.
-        Each rank runs its stages in increasing order, each over all micro-batches of
-        a run, so the ranks overlap like GPipe's forward half.
+        Each rank runs its stages in increasing order, each over all micro-batches of a
+        run: a stage fed by another rank first receives all its inputs as one batch, and
+        one whose next stage is on another rank sends all its outputs as one batch, waited
+        before the rank goes on. Stage s's transfer thus completes once stage s + 1's rank
+        reaches it, which needs only stages before s, so no order of ranks can deadlock;
+        and a rank never has a send and a receive with one peer outstanding apart
+        (collectives.exchange). The ranks do not overlap micro-batches as GPipe would.
         """
         total = torch.zeros((), device=self.device)
         m, last = self.plan.microbatches, self.plan.num_stages - 1
         for inputs, targets in self._runs(batches, data):
-            handed: dict[int, torch.Tensor] = {}  # micro-batch -> output for the next stage on this rank
-            sends = []
+            handed: list[torch.Tensor] = []  # the previous stage's outputs, when it ran on this rank
             for index in self.stage_ids:
-                for mb in range(m):
-                    if index == 0:
-                        x = inputs.chunk(m)[mb]  # (mbs, T) tokens
-                    elif index - 1 in self.modules:
-                        x = handed.pop(mb)
-                    else:
-                        x = torch.empty(self.hidden_shape, dtype=self.activation_dtype, device=self.device)
-                        dist.recv(x, src=self._peer(index - 1), group=self.group)
-                    y = self.modules[index](x)
-                    if index == last:
-                        total += loss_fn(y, targets.chunk(m)[mb]).float()
-                    elif index + 1 in self.modules:
-                        handed[mb] = y
-                    else:
-                        y = y.contiguous()
-                        sends.append((dist.isend(y, dst=self._peer(index + 1), group=self.group), y))
-            for work, _ in sends:
-                work.wait()
+                if index == 0:
+                    xs = list(inputs.chunk(m))  # m x (mbs, T) tokens
+                elif index - 1 in self.modules:
+                    xs = handed
+                else:  # m x (mbs, T, D) activations from the previous stage's rank
+                    xs = [torch.empty(self.hidden_shape, dtype=self.activation_dtype, device=self.device)
+                          for _ in range(m)]
+                    exchange(recvs=[(x, self._peer(index - 1)) for x in xs], group=self.group).wait()
+                ys = [self.modules[index](x) for x in xs]
+                if index == last:
+                    for y, t in zip(ys, targets.chunk(m)):
+                        total += loss_fn(y, t).float()
+                elif index + 1 in self.modules:
+                    handed = ys
+                else:
+                    exchange(sends=[(y, self._peer(index + 1)) for y in ys], group=self.group).wait()
         # ZeRO-3 stages keep their parameters gathered after a forward (see
         # FSDP2DataParallel); without a backward to reshard them, free them here.
         for module in self.modules.values():
