@@ -1,8 +1,10 @@
 """Training on the tier's accelerator reproduces the CPU's losses: `polytrain train` in one
-process and as tp 2 over 2 launched processes, and in one 2-rank launch dp 2, ZeRO-1, ZeRO-3 with cpu offload (of the optimizer, then of the
-parameters too), tp 2 (with sequence parallelism), pp 2, cp 2 (ring) and LoRA over dp 2, then tp 2
-resuming from the ZeRO-3 run's mid-run checkpoint (a checkpoint of device tensors, another
-layout); in one 4-rank launch tp 2 x pp 2 and a 2D tensor-parallel grid.
+process and as tp 2 over 2 launched processes, and in one 2-rank launch dp 2, ZeRO-1 and ZeRO-2
+(each also with cpu offload of the optimizer), ZeRO-3 (without offload, with cpu offload of the
+optimizer, then of the parameters too), tp 2 (with sequence parallelism), pp 2, cp 2 (ring) and
+LoRA over dp 2, then tp 2 resuming from the ZeRO-3 run's mid-run checkpoint (a checkpoint of
+device tensors, another layout); in one 4-rank launch tp 2 x pp 2 and a 2D tensor-parallel grid.
+The other architectures: tests/device/test_architectures.py.
 
 On the CPU, PyTorch's default device, a tensor made without `device=` or an index built on the
 host goes unnoticed; on another device it fails, as on a GPU. Each layout here found such a
@@ -31,6 +33,10 @@ LORA = ["--lora.rank", "4"]
 LAYOUTS = {  # name: (overrides, whether LoRA trains)
     "dp": ([], False),
     "zero1": (["--parallel.zero", "1"], False),
+    "zero1_offload": (["--parallel.zero", "1", "--parallel.offload", "cpu"], False),
+    "zero2": (["--parallel.zero", "2"], False),
+    "zero2_offload": (["--parallel.zero", "2", "--parallel.offload", "cpu"], False),
+    "zero3": (["--parallel.zero", "3"], False),
     "zero3_offload": (["--parallel.zero", "3", "--parallel.offload", "cpu", "--checkpoint.every", str(STEPS // 2)],
                       False),
     "zero3_offload_params": (["--parallel.zero", "3", "--parallel.offload", "cpu",
