@@ -38,12 +38,12 @@ def _collectives(rank: int, world_size: int) -> dict[str, list]:
     sent = base.clone()
     dist.broadcast(sent, src=1)
     out["broadcast"] = sent.tolist()
-    # p2p: both post the receive first; a synchronous receive would deadlock here
+    # p2p, batched as polytrain posts it (collectives.exchange): both list the receive first; a
+    # library whose receive returned only once done would deadlock here
     received = torch.zeros(4, device=device)
-    recv = dist.irecv(received, src=1 - rank)
-    send = dist.isend(base, dst=1 - rank)
-    recv.wait()
-    send.wait()
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, received, 1 - rank),
+                                        dist.P2POp(dist.isend, base, 1 - rank)]):
+        work.wait()
     out["isend_irecv"] = received.tolist()
     try:
         dist.all_reduce(torch.ones(2))  # a host tensor: NCCL refuses it, so must this library
