@@ -102,6 +102,14 @@ def _correct_code(rank: int) -> bool:
     work = dist.all_reduce(x, async_op=True)
     work.wait()
     x.add_(1)  # after wait(): fine
+    # gloo's asynchronous all-gather and reduce-scatter write their outputs through ATen before
+    # wait() (their versions move): only what they read is checked (ZeRO's parameter gathers)
+    gathered, scattered = torch.empty(128), torch.empty(64)
+    works = [dist.all_gather_into_tensor(gathered, torch.full((64,), float(rank)), async_op=True),
+             dist.reduce_scatter_tensor(scattered, torch.ones(128), async_op=True)]
+    for work in works:
+        work.wait()
+    assert gathered[64].item() == 1 and scattered[0].item() == 2
     collectives.all_reduce(torch.ones(64), None)
     collectives.all_gather(torch.ones(4, 2), 0, None)
     objects = [None, None]
