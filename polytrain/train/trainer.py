@@ -473,6 +473,7 @@ class Trainer:
         """MFU against the peak of the GEMMs that run."""
         return MFU(self.acc.peak(gemm_dtype(self.autocast_dtype, self.fp32_matmuls)))
 
+
 def summary_lines(summary: dict[str, Any]) -> list[str]:
     lines = [f"trained to step {summary['step']} in {summary['time_s']:.0f}s"]
     if summary["first_val_loss"] is not None:
